@@ -27,6 +27,19 @@ class PrefixHit:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestProgress:
+    """Where one request's write/validate ledger stands (:meth:`BlockPool.progress`)."""
+
+    request_id: str
+    num_blocks: int
+    num_written_tokens: int
+    num_validated_tokens: int
+    num_pending_steps: int
+    """Steps whose result is still expected (including ones to be discarded)."""
+    aborted: bool
+
+
+@dataclass(frozen=True, slots=True)
 class TokenRange:
     """Half-open token positions ``[start, end)`` of one request."""
 

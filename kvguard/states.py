@@ -24,6 +24,10 @@ from kvguard.errors import IllegalTransitionError
 
 
 class BlockState(enum.Enum):
+    # Members are singletons compared by identity; identity hashing keeps the table
+    # lookup on the pool's hot path cheap (Enum.__hash__ is a Python-level call).
+    __hash__ = object.__hash__
+
     FREE = "free"
     """No owner, no content of value."""
     ALLOCATED = "allocated"
@@ -41,6 +45,8 @@ class BlockState(enum.Enum):
 
 
 class BlockEvent(enum.Enum):
+    __hash__ = object.__hash__
+
     ALLOCATE = "allocate"
     """Handed to a new owner (from the free queue, zeroed first when suspect)."""
     WRITE = "write"
@@ -98,6 +104,8 @@ TRANSITIONS: Mapping[BlockState, Mapping[BlockEvent, BlockState]] = MappingProxy
                 E.STORE_ACK: S.VALIDATED,
                 E.RELEASE: S.FREE,
                 E.ROLLBACK: S.ALLOCATED,
+                # A duplicate (or uncached) copy of a hash that was tainted later.
+                E.INVALIDATE: S.QUARANTINED,
             }
         ),
         S.PUBLISHED: MappingProxyType(

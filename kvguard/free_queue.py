@@ -1,0 +1,93 @@
+"""The free queue: which block to hand out next.
+
+Three tiers, taken in this order:
+
+1. quarantined blocks (ref 0) — reused first so suspect bytes are zeroed and gone soon;
+2. empty blocks (FREE: never held KV of value, or validated bytes nobody can match);
+3. evictable cached blocks (PUBLISHED/OFFLOADED, ref 0) — least recently released
+   first within the lowest retention class, so hot prefixes survive longest.
+
+Runtime complexity: push, pop and remove are O(1) (O(log r) with r distinct retention
+classes in use, usually one).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from sortedcontainers import SortedDict
+
+from kvguard.block import Block
+from kvguard.states import BlockState
+
+_QUARANTINED = BlockState.QUARANTINED
+_FREE = BlockState.FREE
+
+
+class FreeQueue:
+    __slots__ = ("_empty", "_evictable", "_num_evictable", "_quarantined")
+
+    def __init__(self) -> None:
+        self._quarantined: list[int] = []
+        self._empty: list[int] = []
+        # retention -> block ids in release order (oldest first).
+        self._evictable: SortedDict = SortedDict()
+        self._num_evictable = 0
+
+    def __len__(self) -> int:
+        return len(self._quarantined) + len(self._empty) + self._num_evictable
+
+    @property
+    def num_evictable(self) -> int:
+        return self._num_evictable
+
+    def push(self, block: Block) -> None:
+        """Enqueue a block whose reference count just reached zero."""
+        state = block.state
+        if state is _QUARANTINED:
+            self._quarantined.append(block.block_id)
+        elif state is _FREE:
+            self._empty.append(block.block_id)
+        else:
+            bucket = self._evictable.get(block.retention)
+            if bucket is None:
+                bucket = self._evictable[block.retention] = OrderedDict()
+            bucket[block.block_id] = None
+            self._num_evictable += 1
+
+    def push_all_empty(self, block_ids: list[int]) -> None:
+        """Enqueue FREE blocks so that ``block_ids[0]`` is handed out first."""
+        self._empty.extend(reversed(block_ids))
+
+    def remove_evictable(self, block: Block) -> None:
+        """Take a cached block out of the queue (a prefix hit, or an invalidation)."""
+        bucket = self._evictable[block.retention]
+        del bucket[block.block_id]
+        if not bucket:
+            del self._evictable[block.retention]
+        self._num_evictable -= 1
+
+    def pop(self) -> int:
+        """The next block id to hand out; the caller checks ``len(self)`` first."""
+        if self._quarantined:
+            return self._quarantined.pop()
+        if self._empty:
+            return self._empty.pop()
+        retention, bucket = self._evictable.peekitem(0)
+        block_id: int = bucket.popitem(last=False)[0]
+        if not bucket:
+            del self._evictable[retention]
+        self._num_evictable -= 1
+        return block_id
+
+    def snapshot(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """(quarantined, empty, evictable-in-eviction-order), for checks and tests."""
+        evictable = tuple(bid for bucket in self._evictable.values() for bid in bucket)
+        return tuple(self._quarantined), tuple(self._empty), evictable
+
+    def clear_evictable(self) -> list[int]:
+        """Remove and return every evictable block id (prefix-cache reset)."""
+        out = [bid for bucket in self._evictable.values() for bid in bucket]
+        self._evictable.clear()
+        self._num_evictable = 0
+        return out
