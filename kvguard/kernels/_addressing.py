@@ -9,9 +9,13 @@ alone exceeds 2**31 bytes for caches of a few GiB.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from kvguard.kernels.backend import HAS_TRITON, tl, triton
+# tl looks unused, but the Triton interpreter finds triton.language through a jit
+# function's module globals, so it must be imported here.
+from kvguard.kernels.backend import HAS_TRITON, tl, triton  # noqa: F401
 
 __all__ = ["INT_VIEW", "NONFINITE_BITS", "chunk_words", "int_view"]
 
@@ -56,15 +60,15 @@ def triton_next_pow2(n: int) -> int:
 
 if HAS_TRITON:
 
-    @triton.jit
+    @triton.jit  # type: ignore[untyped-decorator]
     def split_item(
-        item,  # int64 flat work-item index
-        num_layers,  # layers in the address table
-        size0,  # outer region dim sizes (1 when unused)
-        size1,
-        size2,
-        num_chunks,  # chunks per contiguous run
-    ):
+        item: Any,  # int64 flat work-item index
+        num_layers: Any,  # layers in the address table
+        size0: Any,  # outer region dim sizes (1 when unused)
+        size1: Any,
+        size2: Any,
+        num_chunks: Any,  # chunks per contiguous run
+    ) -> Any:
         """Decompose ``item`` into (id index, layer, outer0, outer1, outer2, chunk)."""
         chunk = item % num_chunks
         rest = item // num_chunks

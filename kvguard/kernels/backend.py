@@ -16,7 +16,7 @@ leaves compiled kernels that cannot take CPU tensors.
 from __future__ import annotations
 
 import functools
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
@@ -116,4 +116,3 @@ def launch_grid(num_items: int, max_programs: int) -> tuple[int]:
     if max_programs < 1:
         raise ValueError(f"max_programs must be >= 1, got {max_programs}")
     return (max(1, min(num_items, max_programs, MAX_GRID)),)
-

@@ -220,7 +220,8 @@ class KVCacheLayout:
         _check_no_overlap(first.shape, first.stride(), "the cache")
 
         item = first.element_size()
-        dims = [(size, stride * item) for size, stride in zip(first.shape, first.stride())]
+        shape, strides = first.shape, first.stride()
+        dims = [(size, stride * item) for size, stride in zip(shape, strides, strict=True)]
         block_dims = [d for i, d in enumerate(dims) if i != kind.block_dim]
         token_dims = [d for i, d in enumerate(dims) if i not in (kind.block_dim, kind.token_dim)]
 

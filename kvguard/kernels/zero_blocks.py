@@ -9,6 +9,7 @@ so one kernel serves fp32, fp16, bf16 and float8 alike.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -29,24 +30,24 @@ __all__ = ["zero_blocks", "zero_blocks_ref"]
 if HAS_TRITON:
     from kvguard.kernels._addressing import split_item
 
-    @triton.jit
+    @triton.jit  # type: ignore[untyped-decorator]
     def _zero_blocks_kernel(
-        table_ptr,  # int64 [num_layers]: base address in bytes of each layer's cache
-        ids_ptr,  # int64 [num_ids]: block ids to zero (checked in range by the launcher)
-        num_items,  # num_ids * num_layers * size0 * size1 * size2 * num_chunks
-        num_layers,  # entries in table_ptr
-        block_stride,  # words from block b to block b + 1 in a layer (same in all layers)
-        size0,  # the block region's outer dims: sizes ...
-        size1,
-        size2,
-        stride0,  # ... and strides in words (size 1 / stride 0 when unused)
-        stride1,
-        stride2,
-        inner,  # contiguous words at each outer index
-        num_chunks,  # cdiv(inner, BLOCK)
+        table_ptr: Any,  # int64 [num_layers]: base address in bytes of each layer's cache
+        ids_ptr: Any,  # int64 [num_ids]: block ids to zero (checked in range by the launcher)
+        num_items: Any,  # num_ids * num_layers * size0 * size1 * size2 * num_chunks
+        num_layers: Any,  # entries in table_ptr
+        block_stride: Any,  # words from block b to block b + 1 in a layer (same in all layers)
+        size0: Any,  # the block region's outer dims: sizes ...
+        size1: Any,
+        size2: Any,
+        stride0: Any,  # ... and strides in words (size 1 / stride 0 when unused)
+        stride1: Any,
+        stride2: Any,
+        inner: Any,  # contiguous words at each outer index
+        num_chunks: Any,  # cdiv(inner, BLOCK)
         WORD: tl.constexpr,  # integer dtype one word wide: zeros are stored as raw bits
         BLOCK: tl.constexpr,  # words one item stores (power of two)
-    ):
+    ) -> None:
         pid = tl.program_id(0).to(tl.int64)
         num_programs = tl.num_programs(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)

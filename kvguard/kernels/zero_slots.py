@@ -13,6 +13,7 @@ inside one block::
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -34,26 +35,26 @@ __all__ = ["slot_ids", "zero_slots", "zero_slots_ref"]
 if HAS_TRITON:
     from kvguard.kernels._addressing import split_item
 
-    @triton.jit
+    @triton.jit  # type: ignore[untyped-decorator]
     def _zero_slots_kernel(
-        table_ptr,  # int64 [num_layers]: base address in bytes of each layer's cache
-        slots_ptr,  # int64 [num_slots]: slot ids, block_id * block_size + offset
-        num_items,  # num_slots * num_layers * size0 * size1 * size2 * num_chunks
-        num_layers,  # entries in table_ptr
-        block_size,  # tokens per block: splits a slot id into (block, offset)
-        block_stride,  # words from block b to block b + 1
-        token_stride,  # words from token t to token t + 1 inside a block
-        size0,  # the slot region's outer dims (K/V, heads, ...): sizes ...
-        size1,
-        size2,
-        stride0,  # ... and strides in words (size 1 / stride 0 when unused)
-        stride1,
-        stride2,
-        inner,  # contiguous words at each outer index
-        num_chunks,  # cdiv(inner, BLOCK)
+        table_ptr: Any,  # int64 [num_layers]: base address in bytes of each layer's cache
+        slots_ptr: Any,  # int64 [num_slots]: slot ids, block_id * block_size + offset
+        num_items: Any,  # num_slots * num_layers * size0 * size1 * size2 * num_chunks
+        num_layers: Any,  # entries in table_ptr
+        block_size: Any,  # tokens per block: splits a slot id into (block, offset)
+        block_stride: Any,  # words from block b to block b + 1
+        token_stride: Any,  # words from token t to token t + 1 inside a block
+        size0: Any,  # the slot region's outer dims (K/V, heads, ...): sizes ...
+        size1: Any,
+        size2: Any,
+        stride0: Any,  # ... and strides in words (size 1 / stride 0 when unused)
+        stride1: Any,
+        stride2: Any,
+        inner: Any,  # contiguous words at each outer index
+        num_chunks: Any,  # cdiv(inner, BLOCK)
         WORD: tl.constexpr,  # integer dtype one word wide: zeros are stored as raw bits
         BLOCK: tl.constexpr,  # words one item stores (power of two)
-    ):
+    ) -> None:
         pid = tl.program_id(0).to(tl.int64)
         num_programs = tl.num_programs(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
@@ -89,8 +90,7 @@ def slot_ids(layout: KVCacheLayout, slots: Sequence[SlotRange]) -> list[int]:
             )
         if not 0 <= r.block_id < layout.num_blocks:
             raise LayoutError(
-                f"{r}: block {r.block_id} is outside the cache's blocks "
-                f"[0, {layout.num_blocks})"
+                f"{r}: block {r.block_id} is outside the cache's blocks [0, {layout.num_blocks})"
             )
         first = r.block_id * layout.block_size
         out.extend(range(first + r.start, first + r.end))
