@@ -9,13 +9,11 @@ alone exceeds 2**31 bytes for caches of a few GiB.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 # tl looks unused, but the Triton interpreter finds triton.language through a jit
 # function's module globals, so it must be imported here.
-from kvguard.kernels.backend import HAS_TRITON, tl, triton  # noqa: F401
+from kvguard.kernels.backend import HAS_TRITON, tl, triton
 
 __all__ = ["INT_VIEW", "NONFINITE_BITS", "chunk_words", "int_view"]
 
@@ -62,13 +60,13 @@ if HAS_TRITON:
 
     @triton.jit  # type: ignore[untyped-decorator]
     def split_item(
-        item: Any,  # int64 flat work-item index
-        num_layers: Any,  # layers in the address table
-        size0: Any,  # outer region dim sizes (1 when unused)
-        size1: Any,
-        size2: Any,
-        num_chunks: Any,  # chunks per contiguous run
-    ) -> Any:
+        item: tl.tensor,  # int64 flat work-item index
+        num_layers: tl.tensor,  # layers in the address table
+        size0: tl.tensor,  # outer region dim sizes (1 when unused)
+        size1: tl.tensor,
+        size2: tl.tensor,
+        num_chunks: tl.tensor,  # chunks per contiguous run
+    ) -> tuple[tl.tensor, ...]:
         """Decompose ``item`` into (id index, layer, outer0, outer1, outer2, chunk)."""
         chunk = item % num_chunks
         rest = item // num_chunks

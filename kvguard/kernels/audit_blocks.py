@@ -8,7 +8,6 @@ published, the engine can audit them; a flagged block is invalidated instead.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
@@ -22,7 +21,7 @@ from kvguard.kernels.backend import (
     tl,
     triton,
 )
-from kvguard.kernels.layout import KVCacheLayout, checked_ids
+from kvguard.kernels.layout import KVCacheLayout, Region, checked_ids
 
 __all__ = ["audit_blocks", "audit_blocks_ref"]
 
@@ -31,20 +30,20 @@ if HAS_TRITON:
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _audit_blocks_kernel(
-        table_ptr: Any,  # int64 [num_layers]: base address in bytes of each layer's cache
-        ids_ptr: Any,  # int64 [num_ids]: block ids to audit (checked in range by the launcher)
-        flags_ptr: Any,  # int32 [num_ids], zero-filled: set to 1 where a non-finite is found
-        num_items: Any,  # num_ids * num_layers * size0 * size1 * size2 * num_chunks
-        num_layers: Any,  # entries in table_ptr
-        block_stride: Any,  # elements from block b to block b + 1 in a layer
-        size0: Any,  # the block region's outer dims: sizes ...
-        size1: Any,
-        size2: Any,
-        stride0: Any,  # ... and strides in elements (size 1 / stride 0 when unused)
-        stride1: Any,
-        stride2: Any,
-        inner: Any,  # contiguous elements at each outer index
-        num_chunks: Any,  # cdiv(inner, BLOCK)
+        table_ptr: tl.tensor,  # int64 [num_layers]: base address in bytes of each layer's cache
+        ids_ptr: tl.tensor,  # int64 [num_ids]: block ids to audit (range-checked by the launcher)
+        flags_ptr: tl.tensor,  # int32 [num_ids], zero-filled: set to 1 where a non-finite is found
+        num_items: tl.tensor,  # num_ids * num_layers * size0 * size1 * size2 * num_chunks
+        num_layers: tl.tensor,  # entries in table_ptr
+        block_stride: tl.tensor,  # elements from block b to block b + 1 in a layer
+        size0: tl.tensor,  # the block region's outer dims: sizes ...
+        size1: tl.tensor,
+        size2: tl.tensor,
+        stride0: tl.tensor,  # ... and strides in elements (size 1 / stride 0 when unused)
+        stride1: tl.tensor,
+        stride2: tl.tensor,
+        inner: tl.tensor,  # contiguous elements at each outer index
+        num_chunks: tl.tensor,  # cdiv(inner, BLOCK)
         BITS: tl.constexpr,  # integer dtype as wide as one element: tests are on raw bits
         EXP_MASK: tl.constexpr,  # exponent bits: all set <=> NaN or +-Inf
         BLOCK: tl.constexpr,  # elements one item scans (power of two)
@@ -83,6 +82,41 @@ def audit_blocks_ref(layout: KVCacheLayout, block_ids: torch.Tensor) -> torch.Te
     return flags
 
 
+def _launch_audit_blocks(
+    table: torch.Tensor,
+    ids: torch.Tensor,
+    flags: torch.Tensor,
+    region: Region,
+    block_stride: int,
+    dtype: torch.dtype,
+    max_programs: int,
+) -> None:
+    """Launch the kernel; ``region`` and ``block_stride`` count elements of ``dtype``."""
+    block = chunk_words(region.inner, cap=2048)
+    num_chunks = -(-region.inner // block)
+    (s0, t0), (s1, t1), (s2, t2) = region.outer
+    num_items = ids.numel() * table.numel() * s0 * s1 * s2 * num_chunks
+    _audit_blocks_kernel[launch_grid(num_items, max_programs)](
+        table,
+        ids,
+        flags,
+        num_items,
+        table.numel(),
+        block_stride,
+        s0,
+        s1,
+        s2,
+        t0,
+        t1,
+        t2,
+        region.inner,
+        num_chunks,
+        BITS={1: tl.int8, 2: tl.int16, 4: tl.int32}[dtype.itemsize],
+        EXP_MASK=NONFINITE_BITS[dtype][0],
+        BLOCK=block,
+    )
+
+
 def audit_blocks(
     layout: KVCacheLayout,
     block_ids: Sequence[int] | torch.Tensor,
@@ -103,30 +137,14 @@ def audit_blocks(
     if resolve_backend(backend, layout.device) == "torch":
         return audit_blocks_ref(layout, ids)
     item = layout.dtype.itemsize
-    region = layout.block_region.in_words(item)
-    block = chunk_words(region.inner, cap=2048)
-    num_chunks = -(-region.inner // block)
-    (s0, t0), (s1, t1), (s2, t2) = region.outer
-    num_items = ids.numel() * layout.num_layers * s0 * s1 * s2 * num_chunks
     flags = torch.zeros(ids.numel(), dtype=torch.int32, device=layout.device)
-    max_programs = max_programs or default_max_programs(layout.device)
-    _audit_blocks_kernel[launch_grid(num_items, max_programs)](
+    _launch_audit_blocks(
         layout.address_table,
         ids,
         flags,
-        num_items,
-        layout.num_layers,
+        layout.block_region.in_words(item),
         layout.block_stride_bytes // item,
-        s0,
-        s1,
-        s2,
-        t0,
-        t1,
-        t2,
-        region.inner,
-        num_chunks,
-        BITS={1: tl.int8, 2: tl.int16, 4: tl.int32}[item],
-        EXP_MASK=NONFINITE_BITS[layout.dtype][0],
-        BLOCK=block,
+        layout.dtype,
+        max_programs or default_max_programs(layout.device),
     )
     return flags != 0

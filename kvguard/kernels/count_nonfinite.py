@@ -15,7 +15,6 @@ read it when the step's output is read anyway.
 from __future__ import annotations
 
 import enum
-from typing import Any
 
 import torch
 
@@ -46,14 +45,14 @@ if HAS_TRITON:
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _count_nonfinite_kernel(
-        bits_ptr: Any,  # [num_rows, vocab] logits read as same-width integers (raw bits)
-        cu_rows_ptr: Any,  # int32/int64 [num_requests + 1]: request r owns rows cu[r]..cu[r+1]-1
-        out_ptr: Any,  # int32 [num_requests]: the counts; every entry is written (no memset)
-        num_requests: Any,  # entries of out_ptr
-        num_rows: Any,  # rows of the logits: row ranges are clamped to [0, num_rows)
-        vocab: Any,  # columns of the logits
-        row_stride: Any,  # elements from row i to row i + 1
-        col_stride: Any,  # elements from column j to column j + 1
+        bits_ptr: tl.tensor,  # [num_rows, vocab] logits read as same-width integers (raw bits)
+        cu_rows_ptr: tl.tensor,  # int32/int64 [num_requests + 1]: request r owns cu[r]:cu[r+1]
+        out_ptr: tl.tensor,  # int32 [num_requests]: the counts; every entry is written (no memset)
+        num_requests: tl.tensor,  # entries of out_ptr
+        num_rows: tl.tensor,  # rows of the logits: row ranges are clamped to [0, num_rows)
+        vocab: tl.tensor,  # columns of the logits
+        row_stride: tl.tensor,  # elements from row i to row i + 1
+        col_stride: tl.tensor,  # elements from column j to column j + 1
         EXP_MASK: tl.constexpr,  # exponent bits: all set <=> NaN or +-Inf
         MANT_MASK: tl.constexpr,  # mantissa bits: some set (with EXP_MASK) <=> NaN
         NAN_ONLY: tl.constexpr,  # count NaN only, not +-Inf

@@ -9,7 +9,6 @@ so one kernel serves fp32, fp16, bf16 and float8 alike.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
@@ -32,19 +31,19 @@ if HAS_TRITON:
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _zero_blocks_kernel(
-        table_ptr: Any,  # int64 [num_layers]: base address in bytes of each layer's cache
-        ids_ptr: Any,  # int64 [num_ids]: block ids to zero (checked in range by the launcher)
-        num_items: Any,  # num_ids * num_layers * size0 * size1 * size2 * num_chunks
-        num_layers: Any,  # entries in table_ptr
-        block_stride: Any,  # words from block b to block b + 1 in a layer (same in all layers)
-        size0: Any,  # the block region's outer dims: sizes ...
-        size1: Any,
-        size2: Any,
-        stride0: Any,  # ... and strides in words (size 1 / stride 0 when unused)
-        stride1: Any,
-        stride2: Any,
-        inner: Any,  # contiguous words at each outer index
-        num_chunks: Any,  # cdiv(inner, BLOCK)
+        table_ptr: tl.tensor,  # int64 [num_layers]: base address in bytes of each layer's cache
+        ids_ptr: tl.tensor,  # int64 [num_ids]: block ids to zero (checked in range by the launcher)
+        num_items: tl.tensor,  # num_ids * num_layers * size0 * size1 * size2 * num_chunks
+        num_layers: tl.tensor,  # entries in table_ptr
+        block_stride: tl.tensor,  # words from block b to b + 1 in a layer (same in all layers)
+        size0: tl.tensor,  # the block region's outer dims: sizes ...
+        size1: tl.tensor,
+        size2: tl.tensor,
+        stride0: tl.tensor,  # ... and strides in words (size 1 / stride 0 when unused)
+        stride1: tl.tensor,
+        stride2: tl.tensor,
+        inner: tl.tensor,  # contiguous words at each outer index
+        num_chunks: tl.tensor,  # cdiv(inner, BLOCK)
         WORD: tl.constexpr,  # integer dtype one word wide: zeros are stored as raw bits
         BLOCK: tl.constexpr,  # words one item stores (power of two)
     ) -> None:

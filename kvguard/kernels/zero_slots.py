@@ -13,7 +13,6 @@ inside one block::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
@@ -27,7 +26,7 @@ from kvguard.kernels.backend import (
     tl,
     triton,
 )
-from kvguard.kernels.layout import KVCacheLayout, LayoutError, LayoutKind, checked_ids
+from kvguard.kernels.layout import KVCacheLayout, LayoutError, LayoutKind, Region, checked_ids
 from kvguard.results import SlotRange
 
 __all__ = ["slot_ids", "zero_slots", "zero_slots_ref"]
@@ -37,21 +36,21 @@ if HAS_TRITON:
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _zero_slots_kernel(
-        table_ptr: Any,  # int64 [num_layers]: base address in bytes of each layer's cache
-        slots_ptr: Any,  # int64 [num_slots]: slot ids, block_id * block_size + offset
-        num_items: Any,  # num_slots * num_layers * size0 * size1 * size2 * num_chunks
-        num_layers: Any,  # entries in table_ptr
-        block_size: Any,  # tokens per block: splits a slot id into (block, offset)
-        block_stride: Any,  # words from block b to block b + 1
-        token_stride: Any,  # words from token t to token t + 1 inside a block
-        size0: Any,  # the slot region's outer dims (K/V, heads, ...): sizes ...
-        size1: Any,
-        size2: Any,
-        stride0: Any,  # ... and strides in words (size 1 / stride 0 when unused)
-        stride1: Any,
-        stride2: Any,
-        inner: Any,  # contiguous words at each outer index
-        num_chunks: Any,  # cdiv(inner, BLOCK)
+        table_ptr: tl.tensor,  # int64 [num_layers]: base address in bytes of each layer's cache
+        slots_ptr: tl.tensor,  # int64 [num_slots]: slot ids, block_id * block_size + offset
+        num_items: tl.tensor,  # num_slots * num_layers * size0 * size1 * size2 * num_chunks
+        num_layers: tl.tensor,  # entries in table_ptr
+        block_size: tl.tensor,  # tokens per block: splits a slot id into (block, offset)
+        block_stride: tl.tensor,  # words from block b to block b + 1
+        token_stride: tl.tensor,  # words from token t to token t + 1 inside a block
+        size0: tl.tensor,  # the slot region's outer dims (K/V, heads, ...): sizes ...
+        size1: tl.tensor,
+        size2: tl.tensor,
+        stride0: tl.tensor,  # ... and strides in words (size 1 / stride 0 when unused)
+        stride1: tl.tensor,
+        stride2: tl.tensor,
+        inner: tl.tensor,  # contiguous words at each outer index
+        num_chunks: tl.tensor,  # cdiv(inner, BLOCK)
         WORD: tl.constexpr,  # integer dtype one word wide: zeros are stored as raw bits
         BLOCK: tl.constexpr,  # words one item stores (power of two)
     ) -> None:
@@ -114,6 +113,42 @@ def zero_slots_ref(layout: KVCacheLayout, slots: torch.Tensor) -> None:
             view[blocks, tokens] = 0
 
 
+def _launch_zero_slots(
+    table: torch.Tensor,
+    slots: torch.Tensor,
+    region: Region,
+    block_size: int,
+    block_stride: int,
+    token_stride: int,
+    word_bytes: int,
+    max_programs: int,
+) -> None:
+    """Launch the kernel; ``region`` and strides are already in ``word_bytes`` words."""
+    block = chunk_words(region.inner)
+    num_chunks = -(-region.inner // block)
+    (s0, t0), (s1, t1), (s2, t2) = region.outer
+    num_items = slots.numel() * table.numel() * s0 * s1 * s2 * num_chunks
+    _zero_slots_kernel[launch_grid(num_items, max_programs)](
+        table,
+        slots,
+        num_items,
+        table.numel(),
+        block_size,
+        block_stride,
+        token_stride,
+        s0,
+        s1,
+        s2,
+        t0,
+        t1,
+        t2,
+        region.inner,
+        num_chunks,
+        WORD={1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}[word_bytes],
+        BLOCK=block,
+    )
+
+
 def zero_slots(
     layout: KVCacheLayout,
     slots: Sequence[SlotRange] | torch.Tensor,
@@ -143,29 +178,14 @@ def zero_slots(
     region = layout.token_region
     word_bytes = layout.word_bytes(region, layout.block_stride_bytes, layout.token_stride_bytes)
     assert word_bytes in INT_VIEW, word_bytes
-    words = region.in_words(word_bytes)
-    block = chunk_words(words.inner)
-    num_chunks = -(-words.inner // block)
-    (s0, t0), (s1, t1), (s2, t2) = words.outer
-    num_items = ids.numel() * layout.num_layers * s0 * s1 * s2 * num_chunks
-    max_programs = max_programs or default_max_programs(layout.device)
-    _zero_slots_kernel[launch_grid(num_items, max_programs)](
+    _launch_zero_slots(
         layout.address_table,
         ids,
-        num_items,
-        layout.num_layers,
+        region.in_words(word_bytes),
         layout.block_size,
         layout.block_stride_bytes // word_bytes,
         layout.token_stride_bytes // word_bytes,
-        s0,
-        s1,
-        s2,
-        t0,
-        t1,
-        t2,
-        words.inner,
-        num_chunks,
-        WORD={1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}[word_bytes],
-        BLOCK=block,
+        word_bytes,
+        max_programs or default_max_programs(layout.device),
     )
     return ids.numel()
