@@ -86,7 +86,7 @@ def test_reference_zeroes_exactly_the_named_blocks(kind: LayoutKind) -> None:
 def test_packed_neighbours_are_never_touched(
     kind: LayoutKind, dtype: torch.dtype, heads: int, head_dim: int
 ) -> None:
-    bases, layout = build_cache(
+    _, layout = build_cache(
         kind, dtype, num_blocks=5, block_size=1, heads=heads, head_dim=head_dim, seed=3
     )
     before = [c.clone() for c in layout.caches]
