@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 
 from kvguard.kernels import LayoutError, LayoutKind, audit_blocks  # noqa: E402
 
-from .cases import ALL_DTYPES, ALL_KINDS, STRIDINGS, build_cache  # noqa: E402
+from .cases import ALL_KINDS, DTYPES, STRIDINGS, build_cache  # noqa: E402
 
 # A non-finite bit pattern per dtype (float8_e4m3fn has no Inf: 0x7F is its NaN).
 BAD = {
@@ -35,9 +35,13 @@ def _poison(
     flat[tuple(int(i) for i in index)] = pattern
 
 
+# Every dtype on dense caches, every striding in one dtype: the interpreter walks strided
+# regions item by item (~10 ms each), and dtype and striding do not interact here.
+CASES = [("dense", d) for d in DTYPES] + [(s, torch.float16) for s in STRIDINGS[1:]]
+
+
 @ALL_KINDS
-@ALL_DTYPES
-@pytest.mark.parametrize("striding", STRIDINGS)
+@pytest.mark.parametrize(("striding", "dtype"), CASES, ids=lambda v: str(v).split(".")[-1])
 def test_flags_exactly_the_poisoned_blocks(
     kind: LayoutKind, dtype: torch.dtype, striding: str
 ) -> None:
@@ -57,15 +61,15 @@ def test_flags_exactly_the_poisoned_blocks(
     )
     ids = [0, 1, 2, 3, 4, 5, 6]
     assert audit_blocks(layout, ids, backend="triton").tolist() == [False] * 7
-    # One bad value each: block 1 in layer 0 (first element), block 4 in layer 2 (last),
+    # One bad value each: block 1 in layer 0 (first element), block 4 in layer 1 (last),
     # block 6 in layer 1 (middle); patterns cycle through NaN / +Inf / -Inf.
     for (layer, block, where), pattern in zip(
-        [(0, 1, 0), (2, 4, -1), (1, 6, 37)], BAD[dtype] * 2, strict=False
+        [(0, 1, 0), (1, 4, -1), (1, 6, 37)], BAD[dtype] * 2, strict=False
     ):
         _poison(layout.caches, kind, layer, block, pattern, where)
-    # Clean blocks 0, 2, 3, 5 (block 0/2 sit right next to poisoned ones); duplicates.
-    ids = [0, 1, 2, 6, 4, 6, 3, 5]
-    want = [False, True, False, True, True, True, False, False]
+    # Clean blocks 0 and 5 sit right next to poisoned ones; 6 is asked twice.
+    ids = [0, 1, 6, 4, 6, 5]
+    want = [False, True, True, True, True, False]
     flags = audit_blocks(layout, ids, backend="triton", max_programs=3)
     assert flags.dtype == torch.bool and flags.tolist() == want
     assert audit_blocks(layout, ids, backend="torch").tolist() == want
