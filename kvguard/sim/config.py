@@ -1,0 +1,159 @@
+"""What a simulation runs: the policies compared, the fault kinds, and named scenarios.
+
+A :class:`Scenario` fixes everything that makes two runs comparable — model, cache size,
+scheduler limits, workload and fault plan — so every policy sees the same requests and
+the same planned faults, and the fault-free run of the same scenario is the ground truth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+
+from kvguard.zeroing import ZeroPolicy
+
+
+class FaultKind(enum.Enum):
+    KV_NAN = "kv"
+    """NaN in the K/V a step computes for one position of one layer, stored in the cache
+    before attention reads it (a bad projection or a corrupt write in the forward pass)."""
+    LOGITS_NAN = "logits"
+    """NaN in the logits row of one request (a bad sampler input); the KV stays clean."""
+    RANK_FAILURE = "rank"
+    """A rank fails during the step: the request's in-flight tail (every slot the step
+    wrote, every layer) is garbled, and the engine learns of it with the step's output."""
+    KV_LATE = "kv-late"
+    """NaN written into one cached K/V slot *after* the layer's attention read it: the
+    step's logits stay finite, so only a KV audit catches it (opt-in: it shows what the
+    audit is for, and plain ``kvguard`` is expected to let it through)."""
+
+
+DEFAULT_FAULT_KINDS = (FaultKind.KV_NAN, FaultKind.LOGITS_NAN, FaultKind.RANK_FAILURE)
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """How the engine treats KV written by a step it has not checked yet."""
+
+    name: str
+    publish_at_schedule: bool
+    """vLLM 0.33: blocks become matchable and storable when the step is scheduled."""
+    abort_on_nan: bool
+    """Fail the step (abort the request alone) when its logits hold NaN."""
+    zero_policy: ZeroPolicy
+    audit_kv: bool = False
+    """Scan the blocks a step wrote for non-finite values before they are published."""
+    tail_recovery: bool = False
+    """On a rank failure, roll the request back with ``zero_request_tail`` and resume
+    (otherwise a guarded policy aborts it)."""
+    guarded: bool = True
+    """A kvguard policy: any corruption escape under it makes ``kvguard simulate`` fail."""
+    description: str = ""
+
+
+EAGER = Policy(
+    "eager",
+    publish_at_schedule=True,
+    abort_on_nan=False,
+    zero_policy=ZeroPolicy.NONE,
+    guarded=False,
+    description="vLLM 0.33: publish and offload at schedule time, no abort, no zeroing",
+)
+DEFER_ZERO_ALL = Policy(
+    "defer-zero-all",
+    publish_at_schedule=False,
+    abort_on_nan=True,
+    zero_policy=ZeroPolicy.ALL,
+    guarded=False,
+    description="vLLM PR #50283: defer publication, abort on NaN, zero every new block",
+)
+KVGUARD = Policy(
+    "kvguard",
+    publish_at_schedule=False,
+    abort_on_nan=True,
+    zero_policy=ZeroPolicy.SUSPECT,
+    tail_recovery=True,
+    description="kvguard: defer, abort alone, zero suspect blocks only, recover rank failures",
+)
+KVGUARD_AUDIT = dataclasses.replace(
+    KVGUARD,
+    name="kvguard-audit",
+    audit_kv=True,
+    description="kvguard plus a KV audit of every written block before publication",
+)
+
+POLICIES: dict[str, Policy] = {p.name: p for p in (EAGER, DEFER_ZERO_ALL, KVGUARD, KVGUARD_AUDIT)}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    num_layers: int = 2
+    num_heads: int = 2
+    head_dim: int = 16
+    vocab_size: int = 64
+    mlp_ratio: int = 4
+    max_position: int = 512
+    seed: int = 1234
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """One reproducible workload on one engine configuration."""
+
+    name: str
+    model: ModelConfig = ModelConfig()
+    block_size: int = 4
+    num_blocks: int = 96
+    max_batched_tokens: int = 64
+    """Token budget per step (chunked prefill splits prompts to fit)."""
+    max_running: int = 8
+    async_scheduling: bool = True
+    """Schedule step N+1 before step N's output (and its validation) is processed."""
+    num_requests: int = 48
+    num_system_prompts: int = 3
+    system_prompt_tokens: int = 24
+    user_tokens: tuple[int, int] = (4, 12)
+    """Inclusive range of each request's own prompt suffix length."""
+    max_new_tokens: tuple[int, int] = (6, 12)
+    arrivals_per_step: float = 1.0
+    """Mean request arrivals per engine step (exponential gaps)."""
+    tier_blocks: int = 64
+    """Capacity of the CPU offload tier, in blocks (0 turns offloading off)."""
+    fault_rate: float = 0.15
+    """Fraction of requests that get one planned fault (it fires only if the request
+    computes the planned position itself rather than hitting it in a cache)."""
+    fault_kinds: tuple[FaultKind, ...] = DEFAULT_FAULT_KINDS
+    sweep: tuple[float, ...] = (0.0, 0.1, 0.2, 0.3)
+    """Fault rates of the sweep behind the plot."""
+    seed: int = 0
+    check_invariants: bool = False
+    """Run ``BlockPool.check_invariants`` after every pool mutation (slow; tests)."""
+
+    def with_overrides(self, **changes: object) -> Scenario:
+        """A copy with the given fields replaced (``None`` values are ignored)."""
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})  # type: ignore[arg-type]
+
+
+SCENARIOS: dict[str, Scenario] = {
+    # Small enough for CI (~10 s for everything); seeded so eager shows escapes.
+    "ci": Scenario("ci"),
+    # The README's scenario: more requests, more prefixes, memory pressure that evicts
+    # system prompts (so they are recomputed and reloaded from the CPU tier).
+    "default": Scenario(
+        "default",
+        block_size=8,
+        num_blocks=112,
+        max_batched_tokens=128,
+        max_running=12,
+        num_requests=160,
+        num_system_prompts=6,
+        system_prompt_tokens=40,
+        user_tokens=(4, 24),
+        max_new_tokens=(8, 24),
+        arrivals_per_step=0.6,
+        tier_blocks=96,
+        fault_rate=0.1,
+        sweep=(0.0, 0.05, 0.1, 0.2),
+    ),
+}

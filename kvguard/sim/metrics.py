@@ -1,0 +1,60 @@
+"""What one run produced: each request's fate and the engine's counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutcome:
+    request_id: str
+    finished: bool
+    """False: aborted with an error."""
+    output: tuple[int, ...]
+    """Generated tokens (empty when aborted)."""
+    fault: str | None
+    """The kind of the request's own fault, if it fired."""
+    error: str | None
+    recoveries: int
+    preemptions: int
+
+
+@dataclass(slots=True)
+class RunCounters:
+    steps: int = 0
+    tokens_computed: int = 0
+    preemptions: int = 0
+    query_tokens: int = 0
+    gpu_hit_tokens: int = 0
+    tier_hit_tokens: int = 0
+    blocks_zeroed: int = 0
+    bytes_zeroed: int = 0
+    """Whole blocks zeroed on reuse plus token slots wiped by tail rollbacks (all layers)."""
+    tail_slots_wiped: int = 0
+    tier_entries_written: int = 0
+    tier_entries_from_failed_steps: int = 0
+    """Tier entries whose bytes a failed step wrote (or that hold non-finite KV)."""
+    tier_acks_dropped: int = 0
+    """Copies the pool refused at ``ack_store`` (block quarantined or reused meanwhile)."""
+    blocks_audited: int = 0
+    faults_fired: dict[str, int] = field(default_factory=dict)
+    aborts: dict[str, int] = field(default_factory=dict)
+    """Aborted requests by reason."""
+    wall_s: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        hits = self.gpu_hit_tokens + self.tier_hit_tokens
+        return hits / self.query_tokens if self.query_tokens else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_computed / self.wall_s if self.wall_s else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    policy: str
+    fault_rate: float
+    outcomes: dict[str, RequestOutcome]
+    counters: RunCounters
