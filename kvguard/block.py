@@ -24,6 +24,11 @@ class Block:
     """Eviction priority of a cached block: lower retention is evicted first."""
     external_refs: int = 0
     """References held through the block-level API (allocate_blocks/acquire_blocks)."""
+    writers: int = 0
+    """Block-level steps in flight that write into it (``write_blocks``); 0 otherwise."""
+    pending_publication: tuple[BlockHash, BlockHash | None, str] | None = None
+    """(hash, parent hash, owner) to publish under once its writers validated
+    (``publish_block`` on a block still being written)."""
 
 
 @dataclass(frozen=True, slots=True)

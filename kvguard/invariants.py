@@ -60,6 +60,21 @@ def check_pool(pool: BlockPool) -> None:
             add(f"block {block.block_id} is {block.state.name} without a hash")
         if block.block_hash is not None and block.state not in STORABLE_STATES:
             add(f"block {block.block_id} is {block.state.name} but keeps hash")
+        # Block-level step ledger (write_blocks / publish_block).
+        if block.writers and (block.state is not S.WRITTEN or not block.external_refs):
+            add(
+                f"block {block.block_id} has {block.writers} block-level writers but is "
+                f"{block.state.name} with {block.external_refs} block-level refs"
+            )
+        if block.writers < 0:
+            add(f"block {block.block_id} has {block.writers} writers")
+        if block.pending_publication is not None and (
+            block.state not in (S.ALLOCATED, S.WRITTEN) or not block.ref_cnt
+        ):
+            add(
+                f"block {block.block_id} waits to be published but is {block.state.name} "
+                f"with ref_cnt {block.ref_cnt}"
+            )
 
     # Rule 4: the free queue holds exactly the blocks with no reference, each once,
     # each in the tier its state calls for.

@@ -53,8 +53,10 @@ from kvguard.hashing import BlockHash, BlockHasher, default_block_hasher
 from kvguard.invariants import PoolSnapshot, check_pool, take_snapshot
 from kvguard.ledger import RequestRecord
 from kvguard.results import (
+    BlockValidation,
     InvalidationReport,
     PrefixHit,
+    PublishOutcome,
     RequestProgress,
     SlotRange,
     StepOutcome,
@@ -103,6 +105,10 @@ _MUTATORS = (
     "allocate_blocks",
     "acquire_blocks",
     "release_blocks",
+    "write_blocks",
+    "validate_blocks",
+    "fail_blocks",
+    "publish_block",
     "begin_store",
     "ack_store",
     "fail_store",
@@ -193,6 +199,10 @@ class BlockPool:
         block.block_hash = None
         block.parent_hash = None
         block.generation += 1
+        # Block-level steps: whatever was still in flight or waiting to be published
+        # is void now (no-ops for request-level blocks, which never set them).
+        block.writers = 0
+        block.pending_publication = None
         self._counters.blocks_quarantined += 1
 
     # ------------------------------------------------------------------ lookups
@@ -781,11 +791,157 @@ class BlockPool:
             block.external_refs -= 1
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                if block.state is _WRITTEN:  # unreachable today: kept for safety
+                # A publication still waiting for its step dies with the last holder.
+                block.pending_publication = None
+                if block.state is _WRITTEN:
+                    # Released before its block-level step validated (preempted or
+                    # aborted mid-step): the bytes can never be trusted.
                     self._quarantine(block, _RELEASE)
                 else:
                     self._move(block, _RELEASE)
                 free.push(block)
+
+    # ------------------------------------------------------------------ block-level steps
+    #
+    # The write/validate ledger for holders that keep their own block tables (vLLM's
+    # KVCacheManager): they name the blocks a scheduled step writes instead of a
+    # request's token range. A block counts its in-flight writers, so under async
+    # scheduling a block written by steps N and N+1 validates only when both did.
+
+    def write_blocks(self, block_ids: Iterable[int]) -> None:
+        """A scheduled step writes into these block-level-held blocks.
+
+        They become WRITTEN (not matchable, not storable) until every step writing
+        them passed :meth:`validate_blocks`. A validated block that is written again
+        loses any hash it carried: its bytes change.
+        """
+        ids = list(block_ids)
+        for block_id in ids:
+            block = self._block(block_id)
+            if block.external_refs == 0:
+                raise ForeignBlockError(
+                    f"block {block_id} is not held through allocate_blocks()/"
+                    "acquire_blocks(); request-level blocks are written with write()"
+                )
+            if block.state not in (_ALLOCATED, _WRITTEN, _VALIDATED):
+                raise IllegalTransitionError(block_id, block.state, _WRITE)
+        blocks = self._blocks
+        for block_id in ids:
+            block = blocks[block_id]
+            if block.state is not _WRITTEN:
+                if block.block_hash is not None:
+                    block.block_hash = None
+                    block.parent_hash = None
+                    block.generation += 1
+                self._move(block, _WRITE)
+            block.writers += 1
+
+    def validate_blocks(self, block_ids: Iterable[int]) -> BlockValidation:
+        """The step that wrote these blocks passed (each id once per step).
+
+        A block no other in-flight step writes becomes VALIDATED, and its deferred
+        publication (:meth:`publish_block`) happens now.
+        """
+        ids = list(block_ids)
+        wanted: dict[int, int] = {}
+        for block_id in ids:
+            wanted[block_id] = wanted.get(block_id, 0) + 1
+        for block_id, n in wanted.items():
+            block = self._block(block_id)
+            if block.state is not _WRITTEN or block.writers < n:
+                raise NoPendingStepError(
+                    f"block {block_id} is {block.state.name} with {block.writers} step(s) "
+                    f"in flight, cannot validate {n}; was it released or failed meanwhile?"
+                )
+        blocks = self._blocks
+        validated: list[int] = []
+        published: list[int] = []
+        duplicates: list[int] = []
+        for block_id in ids:
+            block = blocks[block_id]
+            block.writers -= 1
+            if block.writers:
+                continue
+            self._move(block, _VALIDATE)
+            validated.append(block_id)
+            pending = block.pending_publication
+            if pending is not None:
+                block.pending_publication = None
+                if self._publish_one(block, *pending):
+                    published.append(block_id)
+                else:
+                    duplicates.append(block_id)
+        return BlockValidation(tuple(validated), tuple(published), tuple(duplicates))
+
+    def fail_blocks(self, block_ids: Iterable[int]) -> tuple[int, ...]:
+        """A step that wrote these blocks failed (or can never be validated).
+
+        Every WRITTEN block among them is QUARANTINED: never published, never stored,
+        zeroed before reuse. Validated and published blocks keep their state (rule 5).
+        Returns the quarantined ids.
+        """
+        ids = [self._block(block_id).block_id for block_id in block_ids]
+        blocks = self._blocks
+        out: list[int] = []
+        for block_id in ids:
+            block = blocks[block_id]
+            if block.state is _WRITTEN:
+                self._quarantine(block, _FAIL)
+                out.append(block_id)
+        return tuple(out)
+
+    def publish_block(
+        self,
+        block_id: int,
+        block_hash: BlockHash,
+        parent_hash: BlockHash | None = None,
+        *,
+        owner: str = "",
+    ) -> PublishOutcome:
+        """Ask for a full block-level-held block to enter the prefix index.
+
+        The deferred-publication hook: vLLM 0.33 caches full blocks while the step
+        that fills them is being *scheduled*; here a block still being written is
+        only marked, and published by the :meth:`validate_blocks` call that
+        validates it (``BlockStored`` is emitted then, naming ``owner``). A
+        quarantined block is refused with :class:`IllegalTransitionError`.
+        """
+        if not self.enable_caching:
+            raise PoolMisuseError("publish_block() needs a pool with enable_caching=True")
+        block = self._block(block_id)
+        state = block.state
+        if state in MATCHABLE_STATES:
+            if block.block_hash != block_hash:
+                raise PoolMisuseError(f"block {block_id} is already published under another hash")
+            return PublishOutcome.PUBLISHED
+        if state is _VALIDATED:
+            if self._publish_one(block, block_hash, parent_hash, owner):
+                return PublishOutcome.PUBLISHED
+            return PublishOutcome.DUPLICATE
+        if state in (_ALLOCATED, _WRITTEN) and block.ref_cnt:
+            block.pending_publication = (block_hash, parent_hash, owner)
+            self._counters.withheld_publications += 1
+            return PublishOutcome.DEFERRED
+        raise IllegalTransitionError(block_id, state, _PUBLISH)
+
+    def _publish_one(
+        self, block: Block, block_hash: BlockHash, parent_hash: BlockHash | None, owner: str
+    ) -> bool:
+        """Publish a VALIDATED block; False if its hash is indexed already (duplicate)."""
+        block.block_hash = block_hash
+        block.parent_hash = parent_hash
+        if block_hash in self._index:
+            return False
+        self._move(block, _PUBLISH)
+        self._index[block_hash] = block.block_id
+        self._counters.blocks_published += 1
+        self._events.append(BlockStored(owner, (block_hash,), (block.block_id,), parent_hash))
+        return True
+
+    def cached_block_id(self, block_hash: BlockHash) -> int | None:
+        """The PUBLISHED/OFFLOADED block holding ``block_hash``, or None (no reference
+        is taken: :meth:`acquire_blocks` it)."""
+        return self._index.get(block_hash)
 
     # ------------------------------------------------------------------ tier gate
 

@@ -119,3 +119,26 @@ class InvalidationReport:
     block_ids: tuple[int, ...]
     tier_copies: tuple[tuple[str, BlockHash], ...]
     requests: tuple[str, ...]
+
+
+class PublishOutcome(enum.Enum):
+    """What :meth:`BlockPool.publish_block` did with a block-level publication."""
+
+    PUBLISHED = "published"
+    """The block is in the prefix index now (or already was, under the same hash)."""
+    DUPLICATE = "duplicate"
+    """Another block holds this hash in the index; this one stays VALIDATED (storable)."""
+    DEFERRED = "deferred"
+    """A step writing the block is not validated yet: it is published when it is."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockValidation:
+    """What :meth:`BlockPool.validate_blocks` did."""
+
+    validated: tuple[int, ...]
+    """Blocks that became VALIDATED (no block-level step writes them any more)."""
+    published: tuple[int, ...] = ()
+    """Blocks whose deferred publication entered the prefix index now."""
+    duplicates: tuple[int, ...] = ()
+    """Blocks whose deferred publication found its hash already indexed."""

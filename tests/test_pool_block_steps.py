@@ -1,0 +1,165 @@
+"""The block-level step ledger: write_blocks / validate_blocks / fail_blocks / publish_block.
+
+Holders that keep their own block tables (vLLM's KVCacheManager) name the blocks a
+step writes; publication asked for while a block is being written waits for its
+validation; a failed or abandoned step quarantines what it wrote.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvguard import BlockPool, BlockState, BlockStored, IllegalTransitionError, ZeroPolicy
+from kvguard.errors import ForeignBlockError, NoPendingStepError, PoolMisuseError
+from kvguard.hashing import BlockHash
+from kvguard.results import PublishOutcome
+
+H1 = BlockHash(b"h1" * 8)
+H2 = BlockHash(b"h2" * 8)
+
+
+def _pool(n: int = 6) -> BlockPool:
+    return BlockPool(n, 4, check_invariants=True)
+
+
+def _state(pool: BlockPool, block_id: int) -> BlockState:
+    return pool.block_info(block_id).state
+
+
+def test_publication_waits_for_validation() -> None:
+    pool = _pool()
+    (b,) = pool.allocate_blocks(1)
+    pool.write_blocks([b])
+    assert pool.publish_block(b, H1, owner="r1") is PublishOutcome.DEFERRED
+    assert pool.cached_block_id(H1) is None
+    assert _state(pool, b) is BlockState.WRITTEN
+    pool.take_events()
+    result = pool.validate_blocks([b])
+    assert result.validated == (b,) and result.published == (b,)
+    assert pool.cached_block_id(H1) == b
+    assert _state(pool, b) is BlockState.PUBLISHED
+    assert pool.take_events() == [BlockStored("r1", (H1,), (b,), None)]
+    assert pool.stats().counters.withheld_publications == 1
+
+
+def test_two_steps_in_flight_validate_in_order() -> None:
+    pool = _pool()
+    (b,) = pool.allocate_blocks(1)
+    pool.write_blocks([b])  # step N writes the first half
+    pool.write_blocks([b])  # step N+1 (async) completes it
+    pool.publish_block(b, H1)
+    assert pool.validate_blocks([b]).validated == ()
+    assert pool.cached_block_id(H1) is None, "published while step N+1 is unchecked"
+    assert pool.validate_blocks([b]).published == (b,)
+
+
+def test_failure_quarantines_written_keeps_validated() -> None:
+    pool = _pool()
+    a, b = pool.allocate_blocks(2)
+    pool.write_blocks([a])
+    pool.publish_block(a, H1)
+    pool.validate_blocks([a])
+    pool.write_blocks([b])
+    pool.publish_block(b, H2, H1)
+    assert pool.fail_blocks([a, b]) == (b,)
+    assert _state(pool, a) is BlockState.PUBLISHED
+    assert _state(pool, b) is BlockState.QUARANTINED
+    assert pool.cached_block_id(H2) is None
+    with pytest.raises(NoPendingStepError):
+        pool.validate_blocks([b])  # the late result of the failed step
+    pool.release_blocks([a, b])
+    # The quarantined block is reused first and must be zeroed.
+    (c,) = pool.allocate_blocks(1)
+    assert c == b and pool.take_blocks_to_zero() == [b]
+
+
+def test_release_mid_step_quarantines_and_drops_publication() -> None:
+    pool = _pool()
+    (b,) = pool.allocate_blocks(1)
+    pool.write_blocks([b])
+    pool.publish_block(b, H1)
+    pool.release_blocks([b])  # preempted / aborted before the step's output
+    assert _state(pool, b) is BlockState.QUARANTINED
+    assert pool.cached_block_id(H1) is None
+    assert pool.allocate_blocks(1) == [b]
+    assert pool.take_blocks_to_zero() == [b]
+
+
+def test_validated_blocks_are_not_zeroed_on_reuse() -> None:
+    pool = _pool(2)
+    (b,) = pool.allocate_blocks(1)
+    pool.write_blocks([b])
+    pool.validate_blocks([b])
+    pool.release_blocks([b])
+    pool.allocate_blocks(2)
+    assert pool.take_blocks_to_zero() == []
+
+
+def test_zero_all_policy_zeroes_every_allocation() -> None:
+    pool = BlockPool(3, 4, zero_policy=ZeroPolicy.ALL, check_invariants=True)
+    assert sorted(pool.allocate_blocks(3)) == sorted(pool.take_blocks_to_zero())
+
+
+def test_duplicate_hash_stays_validated_and_storable() -> None:
+    pool = _pool()
+    a, b = pool.allocate_blocks(2)
+    pool.write_blocks([a, b])
+    pool.validate_blocks([a, b])
+    assert pool.publish_block(a, H1) is PublishOutcome.PUBLISHED
+    assert pool.publish_block(b, H1) is PublishOutcome.DUPLICATE
+    assert _state(pool, b) is BlockState.VALIDATED
+    assert pool.begin_store(b).block_hash == H1
+
+
+def test_rewriting_a_validated_block_drops_its_hash() -> None:
+    pool = _pool()
+    a, b = pool.allocate_blocks(2)
+    pool.write_blocks([a, b])
+    pool.validate_blocks([a, b])
+    pool.publish_block(a, H1)
+    pool.publish_block(b, H1)  # duplicate: keeps the hash, stays VALIDATED
+    ticket = pool.begin_store(b)
+    pool.write_blocks([b])
+    assert pool.block_info(b).block_hash is None
+    assert pool.ack_store(ticket) is False, "ack for bytes that changed was registered"
+
+
+def test_misuse_changes_nothing() -> None:
+    pool = _pool()
+    a, b = pool.allocate_blocks(2)
+    pool.write_blocks([a])
+    pool.validate_blocks([a])
+    pool.publish_block(a, H1)
+    before = pool.snapshot()
+    with pytest.raises(IllegalTransitionError):
+        pool.write_blocks([b, a])  # a is PUBLISHED: nobody writes into shared KV
+    with pytest.raises(NoPendingStepError):
+        pool.validate_blocks([b])
+    with pytest.raises(PoolMisuseError):
+        pool.publish_block(a, H2)
+    assert pool.snapshot() == before
+    assert _state(pool, b) is BlockState.ALLOCATED
+
+
+def test_request_level_blocks_are_refused() -> None:
+    pool = _pool()
+    pool.add_request("r", [1, 2, 3, 4])
+    (b,) = pool.allocate("r", 4)
+    with pytest.raises(ForeignBlockError):
+        pool.write_blocks([b])
+
+
+def test_quarantined_block_cannot_be_published() -> None:
+    pool = _pool()
+    (b,) = pool.allocate_blocks(1)
+    pool.write_blocks([b])
+    pool.fail_blocks([b])
+    with pytest.raises(IllegalTransitionError):
+        pool.publish_block(b, H1)
+
+
+def test_caching_off_refuses_publication() -> None:
+    pool = BlockPool(2, 4, enable_caching=False)
+    (b,) = pool.allocate_blocks(1)
+    with pytest.raises(PoolMisuseError):
+        pool.publish_block(b, H1)
