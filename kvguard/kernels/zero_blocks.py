@@ -71,9 +71,10 @@ def zero_blocks_ref(layout: KVCacheLayout, block_ids: torch.Tensor) -> None:
     ``block_ids``: int64 ``[num_ids]`` on the cache's device, already range-checked.
     """
     for cache in layout.caches:
-        # index_fill_ on the integer view: works for float8 too and touches only the
-        # indexed blocks, whatever the strides.
-        int_view(cache).index_fill_(layout.kind.block_dim, block_ids, 0)
+        # 0.0 is all-zero bits in every supported dtype; float8 has no index_fill_ kernel
+        # on every build, so it goes through its integer view (same bytes).
+        target = int_view(cache) if cache.element_size() == 1 else cache
+        target.index_fill_(layout.kind.block_dim, block_ids, 0)
 
 
 def _launch_zero_blocks(

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch")
+pytest.importorskip("torch")
 
-from kvguard.kernels import LayoutError, LayoutKind, audit_blocks  # noqa: E402
+import torch
 
-from .cases import ALL_KINDS, DTYPES, STRIDINGS, build_cache  # noqa: E402
+from kvguard.kernels import LayoutError, LayoutKind, audit_blocks
+
+from .cases import ALL_KINDS, DTYPES, STRIDINGS, build_cache
 
 # A non-finite bit pattern per dtype (float8_e4m3fn has no Inf: 0x7F is its NaN).
 BAD = {

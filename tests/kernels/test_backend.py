@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch")
+pytest.importorskip("torch")
 
-from kvguard.kernels import BackendUnavailableError, resolve_backend  # noqa: E402
-from kvguard.kernels.backend import HAS_TRITON  # noqa: E402
+import torch
+
+from kvguard.kernels import BackendUnavailableError, resolve_backend
+from kvguard.kernels.backend import HAS_TRITON
 
 
 def _run(script: str, **env: str) -> subprocess.CompletedProcess[str]:

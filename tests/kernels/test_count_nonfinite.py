@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch")
+pytest.importorskip("torch")
 
-from kvguard.kernels import NonFiniteMode, count_nonfinite_per_request  # noqa: E402
+import torch
 
-from .cases import ALL_DTYPES, finite  # noqa: E402
+from kvguard.kernels import NonFiniteMode, count_nonfinite_per_request
+
+from .cases import ALL_DTYPES, finite
 
 NAN, INF = float("nan"), float("inf")
 
@@ -34,7 +36,7 @@ def _count(
     cu_rows = cu if isinstance(cu, torch.Tensor) else torch.tensor(cu)
     out = count_nonfinite_per_request(logits, cu_rows, mode, backend=backend, **kwargs)  # type: ignore[arg-type]
     assert out.dtype == torch.int32 and out.device == logits.device
-    return out.tolist()  # type: ignore[no-any-return]
+    return out.tolist()
 
 
 @ALL_DTYPES

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch")
+pytest.importorskip("torch")
 
-from kvguard.errors import KvGuardError, PoolMisuseError  # noqa: E402
-from kvguard.kernels import KVCacheLayout, LayoutError, LayoutKind, Region  # noqa: E402
-from kvguard.kernels.layout import _collapse  # noqa: E402
+import torch
 
-from .cases import ALL_KINDS, build_cache, logical_shape  # noqa: E402
+from kvguard.errors import KvGuardError, PoolMisuseError
+from kvguard.kernels import KVCacheLayout, LayoutError, LayoutKind, Region
+from kvguard.kernels.layout import _collapse
+
+from .cases import ALL_KINDS, build_cache, logical_shape
 
 
 @ALL_KINDS

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch")
+pytest.importorskip("torch")
 
-from kvguard import BlockPool  # noqa: E402
-from kvguard.kernels import (  # noqa: E402
+import torch
+
+from kvguard import BlockPool
+from kvguard.kernels import (
     CacheWiper,
     KVCacheLayout,
     LayoutError,
     LayoutKind,
     TailWipe,
 )
-from kvguard.results import SlotRange  # noqa: E402
+from kvguard.results import SlotRange
 
 BLOCK = 4
 
@@ -96,7 +98,7 @@ def test_refuses_a_pool_the_cache_does_not_fit() -> None:
     caches = [torch.zeros(8, 2, BLOCK, 2, 3)]
     layout = KVCacheLayout(caches, LayoutKind.FLASHINFER)
     with pytest.raises(LayoutError, match="block_size"):
-        CacheWiper(BlockPool(8, BLOCK * 2), layout)  # type: ignore[arg-type]
+        CacheWiper(BlockPool(8, BLOCK * 2), layout)
     with pytest.raises(LayoutError, match="only 8"):
-        CacheWiper(BlockPool(9, BLOCK), layout)  # type: ignore[arg-type]
-    CacheWiper(BlockPool(6, BLOCK), layout)  # type: ignore[arg-type]  # smaller pool: fine
+        CacheWiper(BlockPool(9, BLOCK), layout)
+    CacheWiper(BlockPool(6, BLOCK), layout)  # smaller pool: fine

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch")
+pytest.importorskip("torch")
 
-import importlib  # noqa: E402
+import importlib
 
-from kvguard.kernels import KVCacheLayout, LayoutError, LayoutKind  # noqa: E402
-from kvguard.kernels.backend import MAX_GRID, launch_grid, resolve_backend  # noqa: E402
-from kvguard.kernels.zero_blocks import zero_blocks, zero_blocks_ref  # noqa: E402
+import torch
 
-from .cases import (  # noqa: E402
+from kvguard.kernels import KVCacheLayout, LayoutError, LayoutKind
+from kvguard.kernels.backend import MAX_GRID, launch_grid, resolve_backend
+from kvguard.kernels.zero_blocks import zero_blocks, zero_blocks_ref
+
+from .cases import (
     ALL_DTYPES,
     ALL_KINDS,
     STRIDINGS,
@@ -25,7 +27,9 @@ from .cases import (  # noqa: E402
 zero_blocks_module = importlib.import_module("kvguard.kernels.zero_blocks")
 
 
-def _twin(**kwargs: object) -> tuple[list[torch.Tensor], KVCacheLayout, list, KVCacheLayout]:
+def _twin(
+    **kwargs: object,
+) -> tuple[list[torch.Tensor], KVCacheLayout, list[torch.Tensor], KVCacheLayout]:
     """Two identical caches: one for the kernel, one for the reference."""
     a, la = build_cache(**kwargs)  # type: ignore[arg-type]
     b, lb = build_cache(**kwargs)  # type: ignore[arg-type]

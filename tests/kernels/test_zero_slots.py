@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch")
+pytest.importorskip("torch")
 
-from kvguard.kernels import LayoutError, LayoutKind, slot_ids  # noqa: E402
-from kvguard.kernels.zero_slots import zero_slots  # noqa: E402
-from kvguard.results import SlotRange  # noqa: E402
+import torch
 
-from .cases import (  # noqa: E402
+from kvguard.kernels import LayoutError, LayoutKind, slot_ids
+from kvguard.kernels.zero_slots import zero_slots
+from kvguard.results import SlotRange
+
+from .cases import (
     ALL_DTYPES,
     ALL_KINDS,
     STRIDINGS,
