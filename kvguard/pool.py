@@ -1067,13 +1067,18 @@ class BlockPool:
 
     # ------------------------------------------------------------------ cache control
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, *, keep_held: Iterable[int] = ()) -> bool:
         """Drop every cached block from the index; only when no block is held.
 
         Returns False (changing nothing) while any block has a reference, as vLLM does.
+        Blocks in ``keep_held`` may stay referenced (a holder's permanent placeholder,
+        such as vLLM's null block); they must not be cached.
         """
-        if any(block.ref_cnt for block in self._blocks):
+        kept = set(keep_held)
+        if any(block.ref_cnt for block in self._blocks if block.block_id not in kept):
             return False
+        if any(self._block(b).state in MATCHABLE_STATES for b in kept):
+            raise PoolMisuseError("keep_held names a cached block; release it first")
         blocks = self._blocks
         for block_id in self._free.clear_evictable():
             block = blocks[block_id]
@@ -1105,6 +1110,10 @@ class BlockPool:
 
     def block_info(self, block_id: int) -> BlockInfo:
         return BlockInfo.of(self._block(block_id))
+
+    def block_state(self, block_id: int) -> BlockState:
+        """The block's state alone (no snapshot object: for per-step hot paths)."""
+        return self._block(block_id).state
 
     def get_num_free_blocks(self) -> int:
         """Blocks an allocation can take now (free, quarantined and evictable)."""

@@ -163,3 +163,19 @@ def test_caching_off_refuses_publication() -> None:
     (b,) = pool.allocate_blocks(1)
     with pytest.raises(PoolMisuseError):
         pool.publish_block(b, H1)
+
+
+def test_reset_prefix_cache_keeps_a_placeholder_held() -> None:
+    pool = _pool()
+    (null,) = pool.allocate_blocks(1)
+    (b,) = pool.allocate_blocks(1)
+    pool.write_blocks([b])
+    pool.validate_blocks([b])
+    pool.publish_block(b, H1)
+    assert pool.reset_prefix_cache(keep_held=[null]) is False  # b is still held
+    pool.release_blocks([b])
+    assert pool.reset_prefix_cache() is False  # the placeholder is held
+    assert pool.reset_prefix_cache(keep_held=[null]) is True
+    assert pool.cached_block_id(H1) is None
+    assert pool.block_state(b) is BlockState.FREE
+    assert pool.block_state(null) is BlockState.ALLOCATED
