@@ -165,7 +165,3 @@ def mermaid_diagram() -> str:
         for event, target in row.items():
             lines.append(f"    {state.name} --> {target.name}: {event.value}")
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    print(mermaid_diagram())

@@ -164,7 +164,7 @@ class PoolMachine(RuleBasedStateMachine):
         ):
             before = pool.snapshot()
             try:
-                fn(*args)  # type: ignore[operator]
+                fn(*args)
             except (PoolMisuseError, OutOfBlocksError):
                 assert pool.snapshot() == before
                 continue

@@ -1,0 +1,200 @@
+"""Bad input: a clear, typed error, and the pool exactly as it was (snapshot equality)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from kvguard import (
+    BlockHash,
+    BlockPool,
+    DoubleFreeError,
+    DuplicateRequestError,
+    ForeignBlockError,
+    IllegalTransitionError,
+    KvGuardError,
+    NoPendingStepError,
+    NotAllocatedError,
+    NotStorableError,
+    OutOfBlocksError,
+    PoolMisuseError,
+    PrefixHit,
+    RequestAbortedError,
+    RollbackError,
+    StaleHitError,
+    StoreTicket,
+    UnknownBlockError,
+    UnknownRequestError,
+    UnknownTicketError,
+    ZeroPolicy,
+)
+
+from .conftest import make_pool
+from .helpers import prefill
+
+PROMPT = list(range(16))
+
+
+class World:
+    """A pool with something in every interesting state, and handles to it."""
+
+    def __init__(self) -> None:
+        self.pool = pool = make_pool(16, 4)
+        prefill(pool, "published", PROMPT)  # 4 PUBLISHED blocks, ref 1
+        pool.validate_step("published")
+        pool.add_request("pending", list(range(50, 60)))
+        pool.allocate("pending", 10)
+        pool.write("pending", 6)  # WRITTEN, step in flight
+        pool.add_request("aborted", list(range(70, 78)))
+        pool.allocate("aborted", 8)
+        pool.write("aborted", 8)
+        pool.fail_step("aborted")  # QUARANTINED, request aborted
+        pool.add_request("fresh", list(range(90, 94)))
+        pool.add_request("twin", PROMPT)
+        self.twin_hit = pool.lookup("twin")
+        assert self.twin_hit.num_tokens == 16
+        self.external = pool.allocate_blocks(1)
+        self.ticket = pool.begin_store(pool.block_table("published")[0], "cpu")
+        self.stale_hit = PrefixHit("fresh", (pool.block_table("published")[0],), (999,), 4)
+        pool.take_events()
+
+
+def cases(w: World) -> list[tuple[str, Callable[[], Any], type[KvGuardError]]]:
+    p = w.pool
+    published = p.block_table("published")
+    pending = p.block_table("pending")
+    return [
+        ("unknown request: write", lambda: p.write("nope", 1), UnknownRequestError),
+        ("unknown request: validate", lambda: p.validate_step("nope"), UnknownRequestError),
+        ("unknown request: fail", lambda: p.fail_step("nope"), UnknownRequestError),
+        ("unknown request: free", lambda: p.free("nope"), UnknownRequestError),
+        ("unknown request: lookup", lambda: p.lookup("nope"), UnknownRequestError),
+        ("unknown request: allocate", lambda: p.allocate("nope", 4), UnknownRequestError),
+        ("unknown request: rollback", lambda: p.zero_request_tail("nope"), UnknownRequestError),
+        ("unknown request: tokens", lambda: p.append_tokens("nope", [1]), UnknownRequestError),
+        ("unknown request: table", lambda: p.block_table("nope"), UnknownRequestError),
+        ("duplicate request", lambda: p.add_request("fresh"), DuplicateRequestError),
+        ("non-str request id", lambda: p.add_request(7), PoolMisuseError),  # type: ignore[arg-type]
+        ("bad salt", lambda: p.add_request("x", salt="s"), PoolMisuseError),  # type: ignore[arg-type]
+        ("negative allocate", lambda: p.allocate("fresh", -1), PoolMisuseError),
+        ("float allocate", lambda: p.allocate("fresh", 1.5), PoolMisuseError),  # type: ignore[arg-type]
+        ("bool allocate", lambda: p.allocate("fresh", True), PoolMisuseError),
+        ("too many blocks", lambda: p.allocate("fresh", 4 * 100), OutOfBlocksError),
+        ("too many raw blocks", lambda: p.allocate_blocks(100), OutOfBlocksError),
+        ("negative raw blocks", lambda: p.allocate_blocks(-2), PoolMisuseError),
+        ("negative write", lambda: p.write("pending", -1), PoolMisuseError),
+        ("empty write", lambda: p.write("pending", 0), PoolMisuseError),
+        ("write past allocation", lambda: p.write("pending", 7), NotAllocatedError),
+        ("write with no blocks", lambda: p.write("fresh", 1), NotAllocatedError),
+        ("write aborted request", lambda: p.write("aborted", 1), RequestAbortedError),
+        ("allocate aborted request", lambda: p.allocate("aborted", 12), RequestAbortedError),
+        ("validate with nothing written", lambda: p.validate_step("fresh"), NoPendingStepError),
+        (
+            "validate past what was written",
+            lambda: p.validate_step("published"),
+            NoPendingStepError,
+        ),
+        ("fail with nothing pending", lambda: p.fail_step("published"), NoPendingStepError),
+        ("validate aborted request", lambda: p.validate_step("aborted"), RequestAbortedError),
+        (
+            "hit of another request",
+            lambda: p.allocate("pending", 12, hit=replace(w.stale_hit, request_id="pending")),
+            PoolMisuseError,
+        ),
+        ("stale hit", lambda: p.allocate("fresh", 4, hit=w.stale_hit), StaleHitError),
+        (
+            "hit bigger than the allocation",
+            lambda: p.allocate("twin", 8, hit=w.twin_hit),
+            PoolMisuseError,
+        ),
+        ("double free (block level)", lambda: p.release_blocks([pending[-1] + 5]), DoubleFreeError),
+        ("foreign block release", lambda: p.release_blocks([published[0]]), ForeignBlockError),
+        ("release twice in one call", lambda: p.release_blocks(w.external * 2), ForeignBlockError),
+        ("out-of-range block release", lambda: p.release_blocks([16]), UnknownBlockError),
+        ("negative block id", lambda: p.block_info(-1), UnknownBlockError),
+        ("non-int block id", lambda: p.block_info("3"), UnknownBlockError),  # type: ignore[arg-type]
+        ("acquire a written block", lambda: p.acquire_blocks([pending[0]]), IllegalTransitionError),
+        (
+            "acquire partly bad list",
+            lambda: p.acquire_blocks([published[0], 99]),
+            UnknownBlockError,
+        ),
+        ("store a written block", lambda: p.begin_store(pending[0]), NotStorableError),
+        (
+            "store a quarantined block",
+            lambda: p.begin_store(p.block_table("aborted")[0]),
+            NotStorableError,
+        ),
+        ("store a free block", lambda: p.begin_store(15), NotStorableError),
+        (
+            "ack an unknown ticket",
+            lambda: p.ack_store(replace(w.ticket, ticket_id=77)),
+            UnknownTicketError,
+        ),
+        (
+            "ack a forged ticket",
+            lambda: p.ack_store(replace(w.ticket, generation=5)),
+            UnknownTicketError,
+        ),
+        (
+            "fail an unknown ticket",
+            lambda: p.fail_store(StoreTicket(9, 0, BlockHash(b"x"), 0, "t")),
+            UnknownTicketError,
+        ),
+        ("negative rollback", lambda: p.zero_request_tail("pending", -1), PoolMisuseError),
+        ("rollback past the start", lambda: p.zero_request_tail("pending", 7), PoolMisuseError),
+        (
+            "rollback into shared blocks",
+            lambda: p.zero_request_tail("published", 16),
+            RollbackError,
+        ),
+        ("keep failed tokens", lambda: p.zero_request_tail("aborted", 1), RollbackError),
+        ("negative lookup cap", lambda: p.lookup("fresh", max_tokens=-1), PoolMisuseError),
+        ("hashes on a token request", lambda: p.append_block_hashes("fresh", []), PoolMisuseError),
+    ]
+
+
+CASE_NAMES = [name for name, _, _ in cases(World())]
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_bad_input_raises_typed_error_and_changes_nothing(name: str) -> None:
+    world = World()
+    (call, error) = next((c, e) for n, c, e in cases(world) if n == name)
+    before = world.pool.snapshot()
+    with pytest.raises(error) as info:
+        call()
+    assert str(info.value), "errors carry a message naming the culprit"
+    assert world.pool.snapshot() == before
+    world.pool.check_invariants()
+
+
+def test_misuse_and_corruption_are_different_families() -> None:
+    from kvguard import CorruptionError, InvariantViolation
+
+    assert issubclass(InvariantViolation, CorruptionError)
+    assert not issubclass(CorruptionError, PoolMisuseError)
+    assert not issubclass(PoolMisuseError, CorruptionError)
+    assert not issubclass(OutOfBlocksError, PoolMisuseError)
+
+
+def test_bad_constructor_arguments() -> None:
+    for args in ((0, 4), (4, 0), (-1, 4), (4.0, 4)):
+        with pytest.raises(PoolMisuseError):
+            BlockPool(*args)
+    with pytest.raises(PoolMisuseError):
+        BlockPool(4, 4, zero_policy="all")  # type: ignore[arg-type]
+    assert BlockPool(4, 4, zero_policy=ZeroPolicy.ALL).zero_policy is ZeroPolicy.ALL
+
+
+def test_broken_bookkeeping_is_reported_as_corruption() -> None:
+    from kvguard import InvariantViolation
+
+    pool = make_pool(8, 4)
+    prefill(pool, "a", PROMPT)
+    pool._blocks[pool.block_table("a")[0]].ref_cnt = 3  # simulate a kvguard bug
+    with pytest.raises(InvariantViolation, match="ref_cnt 3"):
+        pool.check_invariants()
