@@ -1,0 +1,52 @@
+"""Developer sessions. `nox` runs tests, lint and mypy; `nox -s bench` etc. on demand."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["tests", "lint", "mypy"]
+nox.options.default_venv_backend = "venv"
+
+# CPU torch first: a range admitting newer releases would pull a multi-GB CUDA build.
+TORCH = "torch==2.13.0"
+
+
+def _install_dev(session: nox.Session) -> None:
+    session.install(TORCH)
+    session.install("-e", ".[dev]")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Run the test suite (kernels under TRITON_INTERPRET=1 on CPU)."""
+    _install_dev(session)
+    session.run("python", "-m", "pytest", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check over the whole tree."""
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def mypy(session: nox.Session) -> None:
+    """mypy --strict over the package, the tests and the benchmarks."""
+    _install_dev(session)
+    session.run("mypy")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks: kvguard's pool against vLLM 0.33's (when installed), kernels."""
+    _install_dev(session)
+    session.run("python", "benchmarks/pool_ops.py", *session.posargs)
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Regenerate the state diagram in docs/states.md from the transition table."""
+    session.install("-e", ".")
+    session.run("python", "-m", "kvguard.statedoc", "docs/states.md")
