@@ -59,6 +59,35 @@ class FreeQueue:
         """Enqueue FREE blocks so that ``block_ids[0]`` is handed out first."""
         self._empty.extend(reversed(block_ids))
 
+    def push_empty(self, block_ids: list[int]) -> None:
+        """Enqueue FREE blocks (batched :meth:`push`)."""
+        self._empty.extend(block_ids)
+
+    def push_evictable(self, blocks: list[Block]) -> None:
+        """Enqueue cached blocks, ``blocks[0]`` to be evicted first (batched :meth:`push`)."""
+        evictable = self._evictable
+        key: int | None = None
+        bucket: OrderedDict[int, None] | None = None
+        for block in blocks:
+            if bucket is None or block.retention != key:
+                key = block.retention
+                bucket = evictable.get(key)
+                if bucket is None:
+                    bucket = evictable[key] = OrderedDict()
+            bucket[block.block_id] = None
+        self._num_evictable += len(blocks)
+
+    def take_empty(self, n: int) -> list[int] | None:
+        """The next ``n`` ids in :meth:`pop` order when they are all FREE blocks (no
+        quarantined block waiting, enough empty ones); else None and nothing taken."""
+        empty = self._empty
+        if self._quarantined or len(empty) < n:
+            return None
+        ids = empty[-n:]
+        del empty[-n:]
+        ids.reverse()
+        return ids
+
     def remove_evictable(self, block: Block) -> None:
         """Take a cached block out of the queue (a prefix hit, or an invalidation)."""
         bucket = self._evictable[block.retention]

@@ -89,6 +89,15 @@ _FAIL = BlockEvent.FAIL
 
 CHECK_INVARIANTS_ENV = "KVGUARD_CHECK_INVARIANTS"
 
+# Plain-dict views of the one transition table for the hot paths (no MappingProxy
+# indirection); derived from TRANSITIONS, never edited by hand.
+_NEXT: dict[BlockState, dict[BlockEvent, BlockState]] = {
+    state: dict(row) for state, row in TRANSITIONS.items()
+}
+_RELEASE_TO: dict[BlockState, BlockState] = {
+    state: row[_RELEASE] for state, row in _NEXT.items() if _RELEASE in row
+}
+
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 # Public methods that change the pool; wrapped with an invariant check when asked for.
@@ -186,7 +195,7 @@ class BlockPool:
 
     def _move(self, block: Block, event: BlockEvent) -> None:
         """Apply ``event`` to ``block`` through the transition table (the only writer)."""
-        new = TRANSITIONS[block.state].get(event)
+        new = _NEXT[block.state].get(event)
         if new is None:
             raise IllegalTransitionError(block.block_id, block.state, event)
         counts = self._counts
@@ -417,8 +426,11 @@ class BlockPool:
         rec.blocks.extend(new)
         return tuple(new)
 
-    def _take_free(self, n: int) -> list[int]:
-        """Pop ``n`` blocks (the caller checked there are enough) and hand them out."""
+    def _take_free(self, n: int, external_refs: int = 0) -> list[int]:
+        """Pop ``n`` blocks (the caller checked there are enough) and hand them out.
+
+        ``external_refs`` is 1 for block-level holders (``allocate_blocks``).
+        """
         if n <= 0:
             return []
         blocks = self._blocks
@@ -426,6 +438,23 @@ class BlockPool:
         policy = self.zero_policy
         zero = self._zero
         counts = self._counts
+        ids = free.take_empty(n)
+        if ids is not None:
+            # Fast path: only FREE blocks (no quarantine, no eviction) -- FREE
+            # --ALLOCATE--> ALLOCATED for all of them, counted once.
+            for block_id in ids:
+                block = blocks[block_id]
+                block.state = _ALLOCATED
+                block.ref_cnt = 1
+                block.external_refs = external_refs
+                block.generation += 1
+            counts[_FREE] -= n
+            counts[_ALLOCATED] += n
+            if policy is ZeroPolicy.ALL:
+                for block_id in ids:
+                    zero.add_block(block_id)
+                self._counters.blocks_zeroed += n
+            return ids
         out: list[int] = []
         evicted_ids: list[int] = []
         evicted_hashes: list[BlockHash] = []
@@ -456,6 +485,7 @@ class BlockPool:
             block.state = _ALLOCATED
             counts[_ALLOCATED] += 1
             block.ref_cnt = 1
+            block.external_refs = external_refs
             block.generation += 1
             if policy is ZeroPolicy.ALL:
                 zero.add_block(block_id)
@@ -623,22 +653,56 @@ class BlockPool:
         rec = self._record(request_id)
         del self._requests[request_id]
         blocks = self._blocks
-        free = self._free
-        retention = rec.retention
+        released: list[Block] = []
         for block_id in reversed(rec.blocks):
             block = blocks[block_id]
             block.ref_cnt -= 1
-            if block.ref_cnt:
-                continue
-            if block.state is _WRITTEN:
+            if not block.ref_cnt:
+                released.append(block)
+        if released:
+            self._drop_last_refs(released, rec.retention)
+
+    def _drop_last_refs(self, released: list[Block], retention: int | None) -> None:
+        """Apply RELEASE to blocks whose last reference was just dropped and enqueue
+        them, in ``released`` order (the first is evicted first).
+
+        Unvalidated (WRITTEN) blocks are quarantined: their step can never be
+        validated. ``retention`` (a request's) sets the eviction class of cached ones.
+        """
+        counts = self._counts
+        free = self._free
+        empty: list[int] = []
+        cached: list[Block] = []
+        for block in released:
+            state = block.state
+            # A publication still waiting for its step dies with the last holder.
+            block.pending_publication = None
+            if state is _WRITTEN:
                 self._quarantine(block, _RELEASE)
+                free.push(block)
+                continue
+            new = _RELEASE_TO.get(state)
+            if new is None:
+                raise IllegalTransitionError(block.block_id, state, _RELEASE)
+            if new is not state:
+                counts[state] -= 1
+                counts[new] += 1
+                block.state = new
+            if new is _FREE:
+                block.block_hash = None
+                block.parent_hash = None
+                empty.append(block.block_id)
+                continue
+            if retention is not None:
+                block.retention = retention
+            if new is _QUARANTINED:
+                free.push(block)
             else:
-                self._move(block, _RELEASE)
-                if block.state is _FREE:
-                    block.block_hash = None
-                    block.parent_hash = None
-            block.retention = retention
-            free.push(block)
+                cached.append(block)
+        if empty:
+            free.push_empty(empty)
+        if cached:
+            free.push_evictable(cached)
 
     def block_table(self, request_id: str) -> tuple[int, ...]:
         """The request's block ids, in token order."""
@@ -744,14 +808,12 @@ class BlockPool:
         :meth:`release_blocks`; the write/validate ledger is per request and does not
         apply to them, so they never become matchable.
         """
-        _check_count("num_blocks", num_blocks)
-        if num_blocks > len(self._free):
-            raise OutOfBlocksError(num_blocks, len(self._free))
-        out = self._take_free(num_blocks)
-        blocks = self._blocks
-        for block_id in out:
-            blocks[block_id].external_refs = 1
-        return out
+        if type(num_blocks) is not int or num_blocks < 0:
+            _check_count("num_blocks", num_blocks)
+        available = len(self._free)
+        if num_blocks > available:
+            raise OutOfBlocksError(num_blocks, available)
+        return self._take_free(num_blocks, external_refs=1)
 
     def acquire_blocks(self, block_ids: Iterable[int]) -> None:
         """Take a block-level reference on cached (PUBLISHED/OFFLOADED) blocks."""
@@ -770,36 +832,45 @@ class BlockPool:
             block.external_refs += 1
 
     def release_blocks(self, block_ids: Iterable[int]) -> None:
-        """Drop block-level references taken by allocate_blocks/acquire_blocks."""
-        ids = list(block_ids)
-        wanted: dict[int, int] = {}
-        for block_id in ids:
-            wanted[block_id] = wanted.get(block_id, 0) + 1
-        for block_id, n in wanted.items():
-            block = self._block(block_id)
-            if block.ref_cnt == 0:
-                raise DoubleFreeError(f"block {block_id} has no reference left to release")
-            if n > block.external_refs:
-                raise ForeignBlockError(
-                    f"block {block_id} is held by a request's block table, not through "
-                    "allocate_blocks()/acquire_blocks(); free() the request instead"
-                )
+        """Drop block-level references taken by allocate_blocks/acquire_blocks.
+
+        Blocks whose last reference goes are enqueued in the given order (the first
+        is evicted first); a block still being written by a block-level step is
+        quarantined (its step can never be validated now).
+        """
+        ids = block_ids if isinstance(block_ids, list) else list(block_ids)
         blocks = self._blocks
-        free = self._free
+        num_blocks = self.num_blocks
+        if len(ids) == 1 or len(set(ids)) == len(ids):
+            for block_id in ids:
+                if type(block_id) is not int or not 0 <= block_id < num_blocks:
+                    self._block(block_id)  # raises UnknownBlockError
+                self._check_release(blocks[block_id], 1)
+        else:
+            wanted: dict[int, int] = {}
+            for block_id in ids:
+                wanted[block_id] = wanted.get(block_id, 0) + 1
+            for block_id, n in wanted.items():
+                self._check_release(self._block(block_id), n)
+        released: list[Block] = []
         for block_id in ids:
             block = blocks[block_id]
             block.external_refs -= 1
             block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                # A publication still waiting for its step dies with the last holder.
-                block.pending_publication = None
-                if block.state is _WRITTEN:
-                    # Released before its block-level step validated (preempted or
-                    # aborted mid-step): the bytes can never be trusted.
-                    self._quarantine(block, _RELEASE)
-                else:
-                    self._move(block, _RELEASE)
-                free.push(block)
+            if not block.ref_cnt:
+                released.append(block)
+        if released:
+            self._drop_last_refs(released, None)
+
+    @staticmethod
+    def _check_release(block: Block, n: int) -> None:
+        if block.ref_cnt == 0:
+            raise DoubleFreeError(f"block {block.block_id} has no reference left to release")
+        if n > block.external_refs:
+            raise ForeignBlockError(
+                f"block {block.block_id} is held by a request's block table, not through "
+                "allocate_blocks()/acquire_blocks(); free() the request instead"
+            )
 
     # ------------------------------------------------------------------ block-level steps
     #
