@@ -1,0 +1,55 @@
+"""kvguard inside vLLM (0.33.x): the pool under ``KVCacheManager``, guarded schedulers.
+
+Importing this package checks the installed vLLM version and imports vLLM; ``import
+kvguard`` alone never does. Turn the guard on with no code change::
+
+    VLLM_COMPUTE_NANS_IN_LOGITS=1 vllm serve MODEL \\
+        --scheduler-cls kvguard.adapters.vllm.scheduler.GuardedAsyncScheduler
+
+See docs/vllm.md.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvguard.adapters.vllm._compat import SUPPORTED, UnsupportedVllmError, check_vllm_version
+from kvguard.adapters.vllm.config import GuardConfig, GuardConfigError
+
+if TYPE_CHECKING:
+    from kvguard.adapters.vllm.block_pool import GuardedBlockPool, GuardModeUnsupported
+    from kvguard.adapters.vllm.manager import build_kv_cache_manager, install_guarded_pool
+    from kvguard.adapters.vllm.scheduler import GuardedAsyncScheduler, GuardedScheduler
+
+__all__ = [
+    "SUPPORTED",
+    "GuardConfig",
+    "GuardConfigError",
+    "GuardModeUnsupported",
+    "GuardedAsyncScheduler",
+    "GuardedBlockPool",
+    "GuardedScheduler",
+    "UnsupportedVllmError",
+    "build_kv_cache_manager",
+    "check_vllm_version",
+    "install_guarded_pool",
+]
+
+_LAZY = {
+    "GuardedBlockPool": "block_pool",
+    "GuardModeUnsupported": "block_pool",
+    "build_kv_cache_manager": "manager",
+    "install_guarded_pool": "manager",
+    "GuardedScheduler": "scheduler",
+    "GuardedAsyncScheduler": "scheduler",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # vLLM is imported on first use of a name that needs it, not on package import.
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

@@ -1,0 +1,424 @@
+"""``GuardedBlockPool``: vLLM's ``BlockPool`` interface, kvguard's pool underneath.
+
+vLLM's ``KVCacheCoordinator``, ``SingleTypeKVCacheManager``s and ``KVCacheManager``
+call this object exactly as they call ``vllm.v1.core.block_pool.BlockPool`` (it is a
+subclass, so every attribute vLLM or a connector reads exists). Two modes:
+
+* **pass-through** (``guard=None`` or ``GuardConfig(enabled=False)``): every call is
+  vLLM's own code; behaviour is identical to vLLM's pool (checked against vLLM's own
+  KV-cache tests).
+* **guarded**: a :class:`kvguard.BlockPool` owns every block's state, the free queue
+  (quarantined blocks first), the prefix index and the zero queue. vLLM's
+  ``KVCacheBlock`` objects are views kept in step with it: ``ref_cnt`` and
+  ``block_hash`` mirror kvguard's, so vLLM code reading them sees the truth.
+  ``cache_full_blocks`` no longer inserts at schedule time: it asks kvguard to publish,
+  and kvguard defers blocks whose step is still unchecked until
+  :meth:`validate_step` says it passed. The guarded scheduler drives
+  :meth:`record_step` / :meth:`validate_step` / :meth:`fail_step`.
+
+Guarded mode supports full-attention KV cache groups (MHA, GQA, MLA); sliding-window,
+chunked-local and Mamba groups copy or re-point cached blocks (``move_block_hashes``,
+``cache_partial_block``) and are refused at install time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from kvguard.adapters.vllm._compat import require_supported_vllm
+
+require_supported_vllm()
+
+from vllm.distributed.kv_events import BlockRemoved  # noqa: E402
+from vllm.v1.core.block_pool import BlockPool  # noqa: E402
+from vllm.v1.core.kv_cache_utils import (  # noqa: E402
+    BlockHashWithGroupId,
+    KVCacheBlock,
+    get_block_hash,
+    get_group_id,
+    make_block_hash_with_group_id,
+    maybe_convert_block_hash,
+    resolve_block_hashes,
+)
+
+from kvguard.errors import IllegalTransitionError, OutOfBlocksError  # noqa: E402
+from kvguard.hashing import BlockHash  # noqa: E402
+from kvguard.pool import BlockPool as KvGuardPool  # noqa: E402
+from kvguard.results import BlockValidation, PublishOutcome  # noqa: E402
+from kvguard.states import BlockState  # noqa: E402
+
+from .config import GuardConfig  # noqa: E402
+
+_SKIP_ON_WRITE = frozenset({BlockState.PUBLISHED, BlockState.OFFLOADED, BlockState.QUARANTINED})
+"""States a step's write skips: shared cached KV is never rewritten, and a quarantined
+block stays quarantined (never published, zeroed on reuse) whatever is written into it."""
+
+
+class GuardModeUnsupported(NotImplementedError):
+    """A vLLM path the guarded pool does not cover (documented in docs/vllm.md)."""
+
+
+class _FreeQueueOwnedByKvGuard:
+    """Stands in for ``free_block_queue`` in guarded mode: kvguard's pool owns the order,
+    and a stale linked list would mislead (SimpleCPUOffloadConnector's lazy mode)."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise GuardModeUnsupported(
+            f"free_block_queue.{name}: in guarded mode kvguard owns the free queue; "
+            "connectors that walk vLLM's free list (SimpleCPUOffloadConnector lazy mode) "
+            "are not supported yet"
+        )
+
+
+class GuardedBlockPool(BlockPool):
+    """vLLM's block pool interface over kvguard's validation-gated pool."""
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        enable_caching: bool,
+        hash_block_size: int,
+        enable_kv_cache_events: bool = False,
+        metrics_collector: Any = None,
+        num_hash_lookahead_tokens: int = 0,
+        *args: Any,
+        guard: GuardConfig | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            num_gpu_blocks,
+            enable_caching,
+            hash_block_size,
+            enable_kv_cache_events,
+            metrics_collector,
+            num_hash_lookahead_tokens,
+            *args,
+            **kwargs,
+        )
+        self.guard = guard if guard is not None else GuardConfig(enabled=False)
+        self.core: KvGuardPool | None = None
+        # block id -> (request, block index, block size, group) of a publication that
+        # waits for its step, so that vLLM's hash and KV event can follow kvguard's.
+        self._deferred: dict[int, tuple[Any, int, int, int]] = {}
+        if not self.guard.enabled:
+            return
+        core = KvGuardPool(
+            num_gpu_blocks,
+            hash_block_size,
+            enable_caching=enable_caching,
+            zero_policy=self.guard.zero_policy,
+            check_invariants=self.guard.check_invariants,
+        )
+        # vLLM's null block is block 0, held forever; kvguard hands out block 0 first.
+        (null_id,) = core.allocate_blocks(1)
+        assert null_id == self.null_block.block_id == 0, "null block must be block 0"
+        core.take_blocks_to_zero()  # the null block is never read
+        self.core = core
+        self.free_block_queue = _FreeQueueOwnedByKvGuard()  # type: ignore[assignment]
+
+    # ------------------------------------------------------------------ steps (guarded)
+
+    def record_step(self, block_ids: Sequence[int]) -> None:
+        """A scheduled step writes these blocks (the scheduler computed them)."""
+        assert self.core is not None
+        self.core.write_blocks(block_ids)
+
+    def writable_ids(self, blocks: Sequence[KVCacheBlock], lo: int, hi: int) -> list[int]:
+        """Ids of ``blocks[lo:hi]`` a step's write changes state of (see _SKIP_ON_WRITE)."""
+        assert self.core is not None
+        state = self.core.block_state
+        return [
+            b.block_id
+            for b in blocks[lo:hi]
+            if not b.is_null and state(b.block_id) not in _SKIP_ON_WRITE
+        ]
+
+    def validate_step(self, block_ids: Sequence[int]) -> BlockValidation:
+        """The step that wrote ``block_ids`` produced finite logits for its request."""
+        assert self.core is not None
+        result = self.core.validate_blocks(block_ids)
+        for block_id in result.published + result.duplicates:
+            pending = self._deferred.pop(block_id, None)
+            if pending is not None:
+                self._mirror_publication(self.blocks[block_id], *pending)
+        return result
+
+    def fail_step(self, block_ids: Iterable[int]) -> tuple[int, ...]:
+        """The step failed (or can never be validated): quarantine what it wrote."""
+        assert self.core is not None
+        quarantined = self.core.fail_blocks(block_ids)
+        for block_id in quarantined:
+            self._deferred.pop(block_id, None)
+        return quarantined
+
+    def take_blocks_to_zero(self) -> list[int]:
+        return self.core.take_blocks_to_zero() if self.core is not None else []
+
+    # ------------------------------------------------------------------ lookups
+
+    def get_cached_block(
+        self, block_hash: Any, kv_cache_group_ids: list[int]
+    ) -> list[KVCacheBlock] | None:
+        core = self.core
+        if core is None:
+            return super().get_cached_block(block_hash, kv_cache_group_ids)
+        out = []
+        for group_id in kv_cache_group_ids:
+            key = make_block_hash_with_group_id(block_hash, group_id)
+            block_id = core.cached_block_id(BlockHash(key))
+            if block_id is None:
+                return None
+            out.append(self.blocks[block_id])
+        return out
+
+    # ------------------------------------------------------------------ publication
+
+    def cache_full_blocks(
+        self,
+        request: Any,
+        blocks: list[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+        block_mask: list[bool] | None = None,
+    ) -> None:
+        core = self.core
+        if core is None:
+            super().cache_full_blocks(
+                request,
+                blocks,
+                num_cached_blocks,
+                num_full_blocks,
+                block_size,
+                kv_cache_group_id,
+                block_mask,
+            )
+            return
+        if num_cached_blocks >= num_full_blocks:
+            return
+        hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size, block_size)
+        parent: BlockHash | None = None
+        if num_cached_blocks:
+            parent = BlockHash(
+                make_block_hash_with_group_id(hashes[num_cached_blocks - 1], kv_cache_group_id)
+            )
+        owner = request.request_id
+        for i in range(num_cached_blocks, num_full_blocks):
+            block = blocks[i]
+            key = BlockHash(make_block_hash_with_group_id(hashes[i], kv_cache_group_id))
+            masked = block_mask is not None and not block_mask[i - num_cached_blocks]
+            if not block.is_null and not masked:
+                try:
+                    outcome = core.publish_block(block.block_id, key, parent, owner=owner)
+                except IllegalTransitionError:
+                    pass  # quarantined by a failed step: never published
+                else:
+                    if outcome is PublishOutcome.DEFERRED:
+                        self._deferred[block.block_id] = (request, i, block_size, kv_cache_group_id)
+                    else:
+                        self._mirror_publication(block, request, i, block_size, kv_cache_group_id)
+            parent = key
+
+    def _mirror_publication(
+        self, block: KVCacheBlock, request: Any, index: int, block_size: int, group_id: int
+    ) -> None:
+        """kvguard published (or holds a duplicate of) ``block``: give vLLM's view its
+        hash and emit vLLM's ``BlockStored`` now, after validation."""
+        assert self.core is not None
+        key = self.core.block_info(block.block_id).block_hash
+        if key is None or block.block_hash is not None:
+            return
+        block.set_block_hash(BlockHashWithGroupId(key), num_tokens=(index + 1) * block_size)
+        if not self.enable_kv_cache_events:
+            return
+        start = index * block_size
+        end = start + block_size
+        parent_hash = None
+        if index:
+            prev = resolve_block_hashes(request.block_hashes, self.hash_block_size, block_size)
+            parent_hash = maybe_convert_block_hash(prev[index - 1])
+        extra_keys, _ = self._generate_event_extra_keys(request, start, end, 0)
+        self.kv_event_queue.append(
+            self._build_block_stored_event(
+                request,
+                block_hashes=[maybe_convert_block_hash(get_block_hash(BlockHashWithGroupId(key)))],
+                parent_block_hash=parent_hash,
+                start_token_idx=start,
+                end_token_idx=end,
+                block_size=block_size,
+                kv_cache_group_id=group_id,
+                extra_keys_list=[extra_keys],
+                lookahead_token_ids=[self._lookahead_token_ids(request, end)]
+                if self.num_hash_lookahead_tokens
+                else None,
+            )
+        )
+
+    def _forget_vllm_hash(self, block: KVCacheBlock) -> None:
+        key = block.block_hash
+        if key is None:
+            return
+        block.reset_hash()  # type: ignore[no-untyped-call]
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(
+                BlockRemoved(
+                    block_hashes=[maybe_convert_block_hash(get_block_hash(key))],
+                    medium=self.medium,
+                    group_idx=get_group_id(key),
+                )
+            )
+
+    # ------------------------------------------------------------------ allocation
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        core = self.core
+        if core is None:
+            return super().get_new_blocks(num_blocks)
+        try:
+            ids = core.allocate_blocks(num_blocks)
+        except OutOfBlocksError:
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool") from None
+        blocks = self.blocks
+        ret = [blocks[i] for i in ids]
+        if self._reuse_watchers:
+            self._notify_reuse(ret)
+        collector = self.metrics_collector
+        for block in ret:
+            if block.block_hash is not None:  # an evicted cached block
+                if collector:
+                    collector.on_block_evicted(block)
+                self._forget_vllm_hash(block)
+            assert block.ref_cnt == 0, f"block {block.block_id} handed out while referenced"
+            block.ref_cnt = 1
+            if collector:
+                collector.on_block_allocated(block)
+        return ret
+
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        core = self.core
+        if core is None:
+            super().touch(blocks)
+            return
+        live = [b for b in blocks if not b.is_null]
+        core.acquire_blocks([b.block_id for b in live])
+        collector = self.metrics_collector
+        for block in live:
+            block.ref_cnt += 1
+            if collector:
+                collector.on_block_accessed(block)
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        core = self.core
+        if core is None:
+            super().free_blocks(ordered_blocks)
+            return
+        mine: list[KVCacheBlock] = []
+        other_pools: dict[Any, list[KVCacheBlock]] = {}
+        for block in ordered_blocks:
+            if block.is_null:
+                continue
+            if block.pool is not None and block.pool is not self:
+                other_pools.setdefault(block.pool, []).append(block)
+                continue
+            mine.append(block)
+        # Released blocks whose step never validated are quarantined by kvguard here.
+        core.release_blocks([b.block_id for b in mine])
+        deferred = self._deferred
+        for block in mine:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0 and deferred:
+                deferred.pop(block.block_id, None)
+        for pool, blocks in other_pools.items():
+            pool.free_blocks(blocks)
+
+    # ------------------------------------------------------------------ cache control
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        """KV that failed to load: taint it in kvguard (quarantined, zeroed on reuse)."""
+        core = self.core
+        if core is None:
+            super().evict_blocks(block_ids)
+            return
+        hashes = []
+        for block_id in block_ids:
+            assert block_id < len(self.blocks), (
+                f"Invalid block_id {block_id} >= {len(self.blocks)}: the KV connector "
+                "reported a block the scheduler never allocated"
+            )
+            key = core.block_info(block_id).block_hash
+            if key is not None:
+                hashes.append(key)
+            self._forget_vllm_hash(self.blocks[block_id])
+        if hashes:
+            core.invalidate(hashes, descendants=False)
+
+    def reset_prefix_cache(self) -> bool:
+        core = self.core
+        if core is None:
+            return super().reset_prefix_cache()
+        if not core.reset_prefix_cache(keep_held=[self.null_block.block_id]):
+            return False
+        if self._reuse_watchers:
+            self._notify_reuse([self.blocks[b] for b in list(self._reuse_watchers)])
+        for block in self.blocks:
+            block.reset_hash()  # type: ignore[no-untyped-call]
+        if self.metrics_collector:
+            self.metrics_collector.reset()
+        if self.enable_kv_cache_events:
+            from vllm.distributed.kv_events import AllBlocksCleared
+
+            self.kv_event_queue.append(AllBlocksCleared())
+        return True
+
+    def get_num_free_blocks(self) -> int:
+        core = self.core
+        if core is None:
+            return super().get_num_free_blocks()
+        return core.get_num_free_blocks()
+
+    def take_events(self) -> list[Any]:
+        if self.core is not None:
+            # vLLM's events are built here from vLLM's requests; kvguard's own queue
+            # carries the same facts and must not grow unbounded.
+            self.core.take_events()
+        return super().take_events()
+
+    # ------------------------------------------------------------------ not covered
+
+    def cache_partial_block(self, *args: Any, **kwargs: Any) -> Any:
+        if self.core is not None:
+            raise GuardModeUnsupported("partial-block prefix caching in guarded mode")
+        return super().cache_partial_block(*args, **kwargs)
+
+    def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
+        if self.core is not None:
+            raise GuardModeUnsupported("copy-on-write of cached blocks in guarded mode")
+        super().move_block_hashes(src_block, dst_block)
+
+    def unpin_blocks(self, blocks: Iterable[KVCacheBlock], on_reuse: Any) -> None:
+        if self.core is not None:
+            raise GuardModeUnsupported("unpin_blocks (read-until-reuse) in guarded mode")
+        super().unpin_blocks(blocks, on_reuse)
+
+    # ------------------------------------------------------------------ checks
+
+    def check_mirror(self) -> None:
+        """Assert vLLM's block views agree with kvguard (tests; debugging)."""
+        core = self.core
+        if core is None:
+            return
+        core.check_invariants()
+        for block in self.blocks:
+            info = core.block_info(block.block_id)
+            if block.is_null:  # vLLM does not count the null block's references
+                continue
+            assert block.ref_cnt == info.ref_cnt, (block, info)
+            if info.state in (BlockState.PUBLISHED, BlockState.OFFLOADED):
+                assert block.block_hash == BlockHashWithGroupId(info.block_hash or b""), (
+                    block,
+                    info,
+                )
+            elif info.state is not BlockState.VALIDATED:
+                assert block.block_hash is None, (block, info)

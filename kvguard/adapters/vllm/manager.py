@@ -1,0 +1,72 @@
+"""Building a vLLM ``KVCacheManager`` whose block pool is kvguard's.
+
+vLLM's ``KVCacheCoordinator.__init__`` constructs ``vllm.v1.core.block_pool.BlockPool``
+by name, and every single-type manager keeps a reference to it (and to its null
+block). :func:`install_guarded_pool` swaps in a :class:`GuardedBlockPool` right after
+construction, before any block was handed out — the one supported way, used by
+:func:`build_kv_cache_manager` and by the guarded schedulers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvguard.adapters.vllm._compat import require_supported_vllm
+
+require_supported_vllm()
+
+from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager  # noqa: E402
+
+from .block_pool import GuardedBlockPool, GuardModeUnsupported  # noqa: E402
+from .config import GuardConfig  # noqa: E402
+
+
+def install_guarded_pool(manager: Any, guard: GuardConfig) -> GuardedBlockPool:
+    """Replace ``manager``'s block pool by a :class:`GuardedBlockPool` (fresh manager only)."""
+    old = manager.block_pool
+    if isinstance(old, GuardedBlockPool):
+        raise RuntimeError("this KVCacheManager already runs on a GuardedBlockPool")
+    if old.get_num_free_blocks() != old.num_gpu_blocks - 1:
+        raise RuntimeError(
+            "install_guarded_pool() needs a KVCacheManager that has not handed out blocks"
+        )
+    coordinator = manager.coordinator
+    managers = coordinator.single_type_managers
+    if guard.enabled:
+        unsupported = [type(m).__name__ for m in managers if type(m) is not FullAttentionManager]
+        if unsupported:
+            raise GuardModeUnsupported(
+                f"kvguard's guarded pool supports full-attention KV cache groups only; "
+                f"this model also has {sorted(set(unsupported))}. Set KVGUARD_GUARD=0 "
+                "(pass-through) for it."
+            )
+        if coordinator.enable_partial_hash_hits:
+            raise GuardModeUnsupported(
+                "kvguard's guarded pool does not support partial-block prefix hits "
+                "(hash_block_size < block_size)"
+            )
+    pool = GuardedBlockPool(
+        old.num_gpu_blocks,
+        old.enable_caching,
+        old.hash_block_size,
+        old.enable_kv_cache_events,
+        old.metrics_collector,
+        old.num_hash_lookahead_tokens,
+        medium=old.medium,
+        guard=guard,
+    )
+    coordinator.block_pool = pool
+    manager.block_pool = pool
+    for single in managers:
+        single.block_pool = pool
+        single._null_block = pool.null_block
+    return pool
+
+
+def build_kv_cache_manager(*, guard: GuardConfig | None = None, **kwargs: Any) -> Any:
+    """``KVCacheManager(**kwargs)`` running on kvguard's pool (``guard`` defaults to
+    the environment's settings, see :mod:`kvguard.adapters.vllm.config`)."""
+    manager = KVCacheManager(**kwargs)
+    install_guarded_pool(manager, guard if guard is not None else GuardConfig.from_env())
+    return manager

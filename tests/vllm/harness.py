@@ -1,0 +1,141 @@
+"""Real vLLM 0.33 schedulers on CPU, driven by hand-built model-runner outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import torch
+from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+from kvguard.adapters.vllm.scheduler import GuardedAsyncScheduler, GuardedScheduler
+
+BLOCK = 16
+_MODEL_DIR = tempfile.mkdtemp(prefix="kvguard-vllm-model-")
+with open(os.path.join(_MODEL_DIR, "config.json"), "w") as f:
+    json.dump({"architectures": ["OPTForCausalLM"], "model_type": "opt"}, f)
+init_none_hash(sha256)
+_HASHER = get_request_block_hasher(BLOCK, sha256)
+
+
+def make_scheduler(
+    *,
+    guarded: bool = True,
+    async_scheduling: bool = False,
+    num_blocks: int = 64,
+    max_num_batched_tokens: int = 64,
+    max_num_seqs: int = 16,
+    kvguard: Mapping[str, Any] | None = None,
+) -> Any:
+    sched_config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=1024,
+        enable_chunked_prefill=True,
+        async_scheduling=async_scheduling,
+        is_encoder_decoder=False,
+    )
+    model_config = ModelConfig(model=_MODEL_DIR, skip_tokenizer_init=True, dtype="float16", seed=42)
+    cache_config = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
+    cache_config.num_gpu_blocks = num_blocks
+    additional = {"kvguard": dict(kvguard or {"check_invariants": True})}
+    vllm_config = VllmConfig(
+        scheduler_config=sched_config,
+        model_config=model_config,
+        cache_config=cache_config,
+        additional_config=additional,
+    )
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["layer"],
+                FullAttentionSpec(
+                    block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32
+                ),
+            )
+        ],
+    )
+    if guarded:
+        cls: type = GuardedAsyncScheduler if async_scheduling else GuardedScheduler
+    else:
+        cls = AsyncScheduler if async_scheduling else Scheduler
+    return cls(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BLOCK,
+        log_stats=True,
+    )
+
+
+def make_request(request_id: str, prompt: list[int], max_tokens: int = 4) -> Request:
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        pooling_params=None,
+        block_hasher=_HASHER,
+    )
+
+
+def model_output(
+    scheduler: Any, scheduler_output: Any, nans: Mapping[str, int] | None = None, token: int = 5
+) -> ModelRunnerOutput:
+    """What a worker would return: one sampled token for each request whose step ends
+    its prefill or decodes, none for intermediate prefill chunks; NaN counts per request."""
+    req_ids = list(scheduler_output.num_scheduled_tokens)
+    sampled: list[list[int]] = []
+    for req_id in req_ids:
+        request = scheduler.requests.get(req_id)
+        done = request is not None and not request.is_prefill_chunk
+        sampled.append([token] if done else [])
+    counts = {req_id: 0 for req_id in req_ids}
+    counts.update(nans or {})
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+        num_nans_in_logits=counts,
+    )
+
+
+def step(scheduler: Any, nans: Mapping[str, int] | None = None) -> tuple[Any, dict[int, Any]]:
+    """One synchronous schedule -> execute -> update round."""
+    so = scheduler.schedule()
+    out = scheduler.update_from_output(so, model_output(scheduler, so, nans))
+    return so, out
+
+
+def finish_reasons(outputs: dict[int, Any]) -> dict[str, str]:
+    return {
+        o.request_id: str(o.finish_reason)
+        for eco in outputs.values()
+        for o in eco.outputs
+        if o.finish_reason is not None
+    }
+
+
+def hit_tokens(scheduler_output: Any) -> dict[str, int]:
+    """Prefix-cache hit (num_computed_tokens at admission) of newly scheduled requests."""
+    return {n.req_id: n.num_computed_tokens for n in scheduler_output.scheduled_new_reqs}
