@@ -104,6 +104,7 @@ class Engine:
         while True:
             while arrivals and arrivals[0].spec.arrival_step <= step:
                 sched.add(arrivals.popleft())
+            idle = pending is None and not sched.running
             out = sched.schedule(step)
             self.counters.preemptions += out.preempted
             self._wipe()
@@ -125,7 +126,7 @@ class Engine:
                     if not arrivals:
                         break
                     step = max(step, arrivals[0].spec.arrival_step)
-                elif record is None and sched.waiting[0].spec.arrival_step <= step - 1:
+                elif idle and record is None:
                     raise RuntimeError(
                         f"request {sched.waiting[0].request_id} cannot be scheduled even on "
                         f"an idle engine: num_blocks={self.scenario.num_blocks} is too small"

@@ -1,0 +1,115 @@
+"""The simulator's outputs: a table per policy, and a JSON document of everything."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from kvguard.sim.config import FaultKind
+from kvguard.sim.runner import PolicySummary, SimulationReport
+
+COLUMNS: tuple[tuple[str, str], ...] = (
+    ("policy", "policy"),
+    ("requests", "requests"),
+    ("completed", "completed"),
+    ("aborted", "aborted"),
+    ("recovered", "recovered"),
+    ("escapes", "escapes"),
+    ("faulted_silent", "silent wrong"),
+    ("hit_rate", "hit rate"),
+    ("bytes_zeroed", "zeroed"),
+    ("tier_entries_from_failed_steps", "bad tier entries"),
+    ("tokens_per_s", "tok/s"),
+)
+
+
+def _human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _cell(summary: PolicySummary, key: str) -> str:
+    value = getattr(summary, key)
+    if key == "hit_rate":
+        return f"{value:.1%}"
+    if key == "bytes_zeroed":
+        return _human_bytes(value)
+    if key == "tier_entries_from_failed_steps":
+        return f"{value}/{summary.tier_entries_written}"
+    if key == "tokens_per_s":
+        return f"{value:,.0f}"
+    return str(value)
+
+
+def format_table(summaries: Sequence[PolicySummary]) -> str:
+    """A fixed-width table, one row per policy."""
+    rows = [[title for _, title in COLUMNS]]
+    rows += [[_cell(s, key) for key, _ in COLUMNS] for s in summaries]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    lines = []
+    for n, row in enumerate(rows):
+        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
+        lines.append("  ".join(cells))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def format_report(report: SimulationReport) -> str:
+    sc = report.scenario
+    faulted = {s.policy: s.faulted for s in report.main}
+    head = (
+        f"scenario {sc.name!r}: {sc.num_requests} requests, {sc.num_system_prompts} shared "
+        f"system prompts, {sc.num_blocks} blocks x {sc.block_size} tokens, "
+        f"{'async' if sc.async_scheduling else 'sync'} scheduling, fault rate "
+        f"{sc.fault_rate:g} ({', '.join(k.value for k in sc.fault_kinds)}), seed {sc.seed}"
+    )
+    legend = (
+        "escapes: requests never faulted themselves whose output differs from the fault-free "
+        "run;\nsilent wrong: faulted requests that completed with a wrong output and no "
+        "error;\nrecovered: faulted requests that completed with exactly the reference "
+        "output;\nbad tier entries: CPU-tier copies written by failed steps / all written; "
+        f"faults fired per policy: {faulted}"
+    )
+    return f"{head}\n\n{format_table(report.main)}\n\n{legend}"
+
+
+def _summary_json(s: PolicySummary) -> dict[str, Any]:
+    out = {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name != "result"}
+    c = s.result.counters
+    out["counters"] = dataclasses.asdict(c)
+    out["requests_detail"] = [dataclasses.asdict(o) for o in s.result.outcomes.values()]
+    return out
+
+
+def report_json(report: SimulationReport) -> dict[str, Any]:
+    sc = dataclasses.asdict(report.scenario)
+    sc["fault_kinds"] = [k.value for k in report.scenario.fault_kinds]
+    return {
+        "scenario": sc,
+        "ground_truth_s": report.ground_truth_s,
+        "guarded_escapes": report.guarded_escapes,
+        "main": [_summary_json(s) for s in report.main],
+        "sweep": [
+            {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name != "result"}
+            for s in report.sweep
+        ],
+    }
+
+
+def write_json(report: SimulationReport, path: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(report_json(report), f, indent=1, default=_default)
+        f.write("\n")
+
+
+def _default(value: object) -> object:
+    if isinstance(value, FaultKind):
+        return value.value
+    raise TypeError(f"cannot serialise {value!r}")
