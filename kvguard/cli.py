@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 EXIT_OK = 0
 EXIT_ESCAPES = 1
@@ -30,7 +30,7 @@ def _rate(text: str) -> float:
     return value
 
 
-def _csv(choices: Sequence[str]) -> type[str] | object:
+def _csv(choices: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
     def parse(text: str) -> tuple[str, ...]:
         items = tuple(x.strip() for x in text.split(",") if x.strip())
         bad = [x for x in items if x not in choices]

@@ -219,7 +219,9 @@ class Engine:
                 logits[i] = float("nan")
         nan_counts = self.device.count_nonfinite(logits)
         sampled = greedy(logits).tolist()
-        written = [tables[i][c.start // size : (c.end - 1) // size + 1] for i, c in enumerate(chunks)]
+        written = [
+            tables[i][c.start // size : (c.end - 1) // size + 1] for i, c in enumerate(chunks)
+        ]
         for i, c in enumerate(chunks):
             if fired[i] is FaultKind.RANK_FAILURE:
                 # The rank died mid-step: everything this step wrote is garbage.

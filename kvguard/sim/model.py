@@ -115,7 +115,7 @@ class TinyDecoder:
             for i, c in enumerate(chunks):
                 kc, vc = cache.read(layer, all_slots[i])
                 outs.append(paged_attention(q[bounds[i] : bounds[i + 1]], kc, vc, c.start))
-            for i, c in enumerate(chunks):
+            for c in chunks:
                 if c.late_kv_fault is not None and c.late_kv_fault[0] == layer:
                     pos = c.late_kv_fault[1]
                     cache.poison(layer, cache.slot_index(c.block_table, pos, pos + 1))

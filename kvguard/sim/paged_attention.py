@@ -18,9 +18,7 @@ import math
 import torch
 
 
-def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
-) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
     """Attention output ``[n_q, heads, head_dim]``.
 
     ``q``: ``[n_q, heads, head_dim]`` for token positions ``[start, start + n_q)``.

@@ -150,9 +150,7 @@ class SimulationReport:
     @property
     def guarded_escapes(self) -> int:
         """Escapes (and silent wrong outputs) under kvguard policies, main run and sweep."""
-        return sum(
-            s.escapes + s.faulted_silent for s in (*self.main, *self.sweep) if s.guarded
-        )
+        return sum(s.escapes + s.faulted_silent for s in (*self.main, *self.sweep) if s.guarded)
 
 
 def simulate(

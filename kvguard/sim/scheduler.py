@@ -129,7 +129,9 @@ class Scheduler:
                 continue
             self._on_new_blocks(pool.allocate(seq.request_id, seq.num_computed + n))
             self._commit(seq, n)
-            out.chunks.append(ScheduledChunk(seq, seq.epoch, seq.num_computed, seq.num_computed + n))
+            out.chunks.append(
+                ScheduledChunk(seq, seq.epoch, seq.num_computed, seq.num_computed + n)
+            )
             seq.num_computed += n
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.scenario.max_running:

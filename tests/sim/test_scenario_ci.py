@@ -42,9 +42,7 @@ def test_kvguard_matches_defer_zero_all_and_zeroes_less(report: SimulationReport
     zero_all, guard = by["defer-zero-all"].result, by["kvguard"].result
     # Same faults, same deferral: the same outputs for every request that both completed.
     common = [
-        rid
-        for rid, o in guard.outcomes.items()
-        if o.finished and zero_all.outcomes[rid].finished
+        rid for rid, o in guard.outcomes.items() if o.finished and zero_all.outcomes[rid].finished
     ]
     assert common
     assert all(guard.outcomes[r].output == zero_all.outcomes[r].output for r in common)
