@@ -77,6 +77,16 @@ class FreeQueue:
             bucket[block.block_id] = None
         self._num_evictable += len(blocks)
 
+    def push_evictable_ids(self, retention: int, block_ids: list[int]) -> None:
+        """Enqueue cached blocks of one retention class, ``block_ids[0]`` evicted first."""
+        bucket = self._evictable.get(retention)
+        if bucket is None:
+            bucket = self._evictable[retention] = OrderedDict()
+        # A plain loop: OrderedDict.update() is about twice as slow here.
+        for block_id in block_ids:
+            bucket[block_id] = None
+        self._num_evictable += len(block_ids)
+
     def take_empty(self, n: int) -> list[int] | None:
         """The next ``n`` ids in :meth:`pop` order when they are all FREE blocks (no
         quarantined block waiting, enough empty ones); else None and nothing taken."""

@@ -97,6 +97,13 @@ _NEXT: dict[BlockState, dict[BlockEvent, BlockState]] = {
 _RELEASE_TO: dict[BlockState, BlockState] = {
     state: row[_RELEASE] for state, row in _NEXT.items() if _RELEASE in row
 }
+_WRITE_TO = {state: row[_WRITE] for state, row in _NEXT.items() if _WRITE in row}
+_ACQUIRE_TO = {state: row[_ACQUIRE] for state, row in _NEXT.items() if _ACQUIRE in row}
+# The two single-source transitions of the validation path, read off the table.
+_VALIDATE_FROM_WRITTEN = _NEXT[_WRITTEN][_VALIDATE]
+_PUBLISH_FROM_VALIDATED = _NEXT[_VALIDATED][_PUBLISH]
+# Cached states a release leaves as they are (they become eviction candidates).
+_STAYS_CACHED = frozenset(s for s in MATCHABLE_STATES if _RELEASE_TO.get(s) is s)
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -238,22 +245,21 @@ class BlockPool:
             )
         return self._blocks[block_id]
 
-    def _block_hash(self, rec: RequestRecord, i: int) -> BlockHash | None:
-        """Hash of the request's ``i``-th block, or None while its tokens are unknown."""
+    def _hash_blocks(self, rec: RequestRecord, n: int) -> list[BlockHash]:
+        """Hash the request's first ``n`` blocks as far as its known token ids allow;
+        returns its hash list (shorter than ``n`` while token ids are missing)."""
         hashes = rec.block_hashes
-        if i < len(hashes):
-            return hashes[i]
-        if rec.explicit_hashes:
-            return None
+        if rec.explicit_hashes or len(hashes) >= n:
+            return hashes
         size = self.block_size
         tokens = rec.token_ids
-        if (i + 1) * size > len(tokens):
-            return None
         hasher = self._hasher
-        for j in range(len(hashes), i + 1):
-            parent = hashes[j - 1] if j else None
-            hashes.append(hasher(parent, tokens[j * size : (j + 1) * size], rec.salt))
-        return hashes[i]
+        salt = rec.salt
+        parent = hashes[-1] if hashes else None
+        for j in range(len(hashes), min(n, len(tokens) // size)):
+            parent = hasher(parent, tokens[j * size : (j + 1) * size], salt)
+            hashes.append(parent)
+        return hashes
 
     # ------------------------------------------------------------------ requests
 
@@ -332,13 +338,10 @@ class BlockPool:
             limit = min(limit, max_tokens)
         ids: list[int] = []
         gens: list[int] = []
-        index = self._index
-        blocks = self._blocks
         if self.enable_caching:
-            for i in range(limit // size):
-                block_hash = self._block_hash(rec, i)
-                if block_hash is None:
-                    break
+            index = self._index
+            blocks = self._blocks
+            for block_hash in self._hash_blocks(rec, limit // size)[: limit // size]:
                 block_id = index.get(block_hash)
                 if block_id is None:
                     break
@@ -411,15 +414,8 @@ class BlockPool:
             need = _cdiv(num_tokens, self.block_size) - len(rec.blocks)
             raise OutOfBlocksError(need, need - short)
         if hit is not None and hit.block_ids:
-            blocks = self._blocks
-            free = self._free
-            for block_id in hit.block_ids:
-                block = blocks[block_id]
-                if block.ref_cnt == 0:
-                    free.remove_evictable(block)
-                self._move(block, _ACQUIRE)
-                block.ref_cnt += 1
-                rec.blocks.append(block_id)
+            self._acquire(hit.block_ids, 0)
+            rec.blocks.extend(hit.block_ids)
             rec.num_written = rec.num_validated = hit.num_tokens
             rec.publish_cursor = len(hit.block_ids)
         new = self._take_free(_cdiv(num_tokens, self.block_size) - len(rec.blocks))
@@ -427,10 +423,8 @@ class BlockPool:
         return tuple(new)
 
     def _take_free(self, n: int, external_refs: int = 0) -> list[int]:
-        """Pop ``n`` blocks (the caller checked there are enough) and hand them out.
-
-        ``external_refs`` is 1 for block-level holders (``allocate_blocks``).
-        """
+        """Pop ``n`` blocks and hand them out, or raise :class:`OutOfBlocksError`
+        having taken none. ``external_refs`` is 1 for block-level holders."""
         if n <= 0:
             return []
         blocks = self._blocks
@@ -455,6 +449,8 @@ class BlockPool:
                     zero.add_block(block_id)
                 self._counters.blocks_zeroed += n
             return ids
+        if n > len(free):
+            raise OutOfBlocksError(n, len(free))
         out: list[int] = []
         evicted_ids: list[int] = []
         evicted_hashes: list[BlockHash] = []
@@ -519,10 +515,18 @@ class BlockPool:
         table = rec.blocks
         first = start // size
         last = (end - 1) // size
+        counts = self._counts
         for i in range(first, last + 1):
             block = blocks[table[i]]
-            if block.state is not _WRITTEN:
-                self._move(block, _WRITE)
+            state = block.state
+            if state is not _WRITTEN:
+                # _move(block, WRITE), inlined: this runs for every block of a prompt.
+                new = _WRITE_TO.get(state)
+                if new is None:
+                    raise IllegalTransitionError(block.block_id, state, _WRITE)
+                counts[state] -= 1
+                counts[new] += 1
+                block.state = new
         if self.enable_caching:
             # Blocks this step fills: vLLM 0.33 would publish them now, unvalidated.
             self._counters.withheld_publications += end // size - start // size
@@ -549,11 +553,16 @@ class BlockPool:
         written = rec.num_written
         blocks = self._blocks
         table = rec.blocks
+        counts = self._counts
+        validated = 0
         for i in range(start // size, (end - 1) // size + 1):
             block = blocks[table[i]]
             # Only blocks none of whose written tokens is still in flight.
             if block.state is _WRITTEN and min((i + 1) * size, written) <= end:
-                self._move(block, _VALIDATE)
+                block.state = _VALIDATE_FROM_WRITTEN  # _move(block, VALIDATE), inlined
+                validated += 1
+        counts[_WRITTEN] -= validated
+        counts[_VALIDATE_FROM_WRITTEN] += validated
         self._counters.steps_validated += 1
         published = self._publish_ready(rec)
         return StepResult(
@@ -564,9 +573,11 @@ class BlockPool:
         """Publish the request's full, validated, hashable blocks, in prefix order."""
         size = self.block_size
         limit = rec.num_validated // size
-        i = rec.publish_cursor
-        if i >= limit:
+        cursor = rec.publish_cursor
+        if cursor >= limit:
             return ()
+        hashes = self._hash_blocks(rec, limit)
+        stop = min(limit, len(hashes))  # beyond: token ids not known yet
         blocks = self._blocks
         table = rec.blocks
         index = self._index
@@ -574,27 +585,28 @@ class BlockPool:
         published_ids: list[int] = []
         published_hashes: list[BlockHash] = []
         first_parent: BlockHash | None = None
-        while i < limit:
-            block_hash = self._block_hash(rec, i)
-            if block_hash is None:
-                break  # token ids not known yet: append_tokens() resumes from here
+        for i in range(cursor, stop):
             block = blocks[table[i]]
-            if block.state is _VALIDATED:
-                parent = self._block_hash(rec, i - 1) if i else None
-                block.block_hash = block_hash
-                block.parent_hash = parent
-                if caching and block_hash not in index:
-                    self._move(block, _PUBLISH)
-                    index[block_hash] = block.block_id
-                    if not published_ids:
-                        first_parent = parent
-                    published_ids.append(block.block_id)
-                    published_hashes.append(block_hash)
-            i += 1
-        rec.publish_cursor = i
+            if block.state is not _VALIDATED:
+                continue  # a prefix hit (already published) or tainted meanwhile
+            block_hash = hashes[i]
+            parent = hashes[i - 1] if i else None
+            block.block_hash = block_hash
+            block.parent_hash = parent
+            if caching and block_hash not in index:
+                block.state = _PUBLISH_FROM_VALIDATED  # _move(block, PUBLISH), inlined
+                index[block_hash] = block.block_id
+                if not published_ids:
+                    first_parent = parent
+                published_ids.append(block.block_id)
+                published_hashes.append(block_hash)
+        rec.publish_cursor = stop
         if not published_ids:
             return ()
-        self._counters.blocks_published += len(published_ids)
+        n = len(published_ids)
+        self._counts[_VALIDATED] -= n
+        self._counts[_PUBLISH_FROM_VALIDATED] += n
+        self._counters.blocks_published += n
         ids = tuple(published_ids)
         self._events.append(BlockStored(rec.request_id, tuple(published_hashes), ids, first_parent))
         return ids
@@ -653,14 +665,24 @@ class BlockPool:
         rec = self._record(request_id)
         del self._requests[request_id]
         blocks = self._blocks
+        retention = rec.retention
+        cached: list[int] = []
         released: list[Block] = []
         for block_id in reversed(rec.blocks):
             block = blocks[block_id]
-            block.ref_cnt -= 1
-            if not block.ref_cnt:
+            ref = block.ref_cnt - 1
+            block.ref_cnt = ref
+            if ref:
+                continue
+            if block.state in _STAYS_CACHED:  # the common case, kept inline
+                block.retention = retention
+                cached.append(block_id)
+            else:
                 released.append(block)
+        if cached:
+            self._free.push_evictable_ids(retention, cached)
         if released:
-            self._drop_last_refs(released, rec.retention)
+            self._drop_last_refs(released, retention)
 
     def _drop_last_refs(self, released: list[Block], retention: int | None) -> None:
         """Apply RELEASE to blocks whose last reference was just dropped and enqueue
@@ -810,9 +832,6 @@ class BlockPool:
         """
         if type(num_blocks) is not int or num_blocks < 0:
             _check_count("num_blocks", num_blocks)
-        available = len(self._free)
-        if num_blocks > available:
-            raise OutOfBlocksError(num_blocks, available)
         return self._take_free(num_blocks, external_refs=1)
 
     def acquire_blocks(self, block_ids: Iterable[int]) -> None:
@@ -822,14 +841,20 @@ class BlockPool:
             block = self._block(block_id)
             if block.state not in MATCHABLE_STATES:
                 raise IllegalTransitionError(block_id, block.state, _ACQUIRE)
+        self._acquire(ids, 1)
+
+    def _acquire(self, block_ids: Sequence[int], external_refs: int) -> None:
+        """Take a reference on cached blocks the caller checked are matchable."""
         blocks = self._blocks
-        for block_id in ids:
+        free = self._free
+        for block_id in block_ids:
             block = blocks[block_id]
-            if block.ref_cnt == 0:
-                self._free.remove_evictable(block)
-            self._move(block, _ACQUIRE)
+            if _ACQUIRE_TO.get(block.state) is not block.state:  # the table's self-loop
+                raise IllegalTransitionError(block_id, block.state, _ACQUIRE)
+            if not block.ref_cnt:
+                free.remove_evictable(block)
             block.ref_cnt += 1
-            block.external_refs += 1
+            block.external_refs += external_refs
 
     def release_blocks(self, block_ids: Iterable[int]) -> None:
         """Drop block-level references taken by allocate_blocks/acquire_blocks.
@@ -845,7 +870,9 @@ class BlockPool:
             for block_id in ids:
                 if type(block_id) is not int or not 0 <= block_id < num_blocks:
                     self._block(block_id)  # raises UnknownBlockError
-                self._check_release(blocks[block_id], 1)
+                block = blocks[block_id]
+                if not block.external_refs or not block.ref_cnt:
+                    self._check_release(block, 1)  # raises
         else:
             wanted: dict[int, int] = {}
             for block_id in ids:
@@ -853,12 +880,24 @@ class BlockPool:
             for block_id, n in wanted.items():
                 self._check_release(self._block(block_id), n)
         released: list[Block] = []
+        empty: list[int] = []
         for block_id in ids:
             block = blocks[block_id]
             block.external_refs -= 1
             block.ref_cnt -= 1
-            if not block.ref_cnt:
+            if block.ref_cnt:
+                continue
+            if block.state is _ALLOCATED:
+                # Never written: ALLOCATED --RELEASE--> FREE, inlined (the common case).
+                block.state = _FREE
+                empty.append(block_id)
+            else:
                 released.append(block)
+        if empty:
+            counts = self._counts
+            counts[_ALLOCATED] -= len(empty)
+            counts[_FREE] += len(empty)
+            self._free.push_empty(empty)
         if released:
             self._drop_last_refs(released, None)
 
