@@ -30,7 +30,9 @@ def run(guarded: bool, args: argparse.Namespace, repeat: int) -> float:
     prefixes = [[rng.randrange(50_000) for _ in range(4 * BLOCK)] for _ in range(8)]
     arrivals: dict[int, list[tuple[str, list[int], int]]] = {}
     for i in range(args.requests):
-        prompt = rng.choice(prefixes) + [rng.randrange(50_000) for _ in range(rng.randrange(8, 300))]
+        prompt = rng.choice(prefixes) + [
+            rng.randrange(50_000) for _ in range(rng.randrange(8, 300))
+        ]
         arrivals.setdefault(i // 4, []).append((f"r{i}", prompt, rng.randrange(8, 64)))
     s: Any = make_scheduler(
         guarded=guarded,
