@@ -99,6 +99,12 @@ _RELEASE_TO: dict[BlockState, BlockState] = {
 }
 _WRITE_TO = {state: row[_WRITE] for state, row in _NEXT.items() if _WRITE in row}
 _ACQUIRE_TO = {state: row[_ACQUIRE] for state, row in _NEXT.items() if _ACQUIRE in row}
+# Transitions the hot paths apply inline; stop at import if the table ever disagrees.
+if not (
+    _NEXT[_FREE][_ALLOCATE] is _NEXT[_QUARANTINED][_ALLOCATE] is _ALLOCATED
+    and _RELEASE_TO[_ALLOCATED] is _FREE
+):  # pragma: no cover - guards a future edit of TRANSITIONS
+    raise ImportError("kvguard.pool inlines ALLOCATE/RELEASE transitions that TRANSITIONS changed")
 # The two single-source transitions of the validation path, read off the table.
 _VALIDATE_FROM_WRITTEN = _NEXT[_WRITTEN][_VALIDATE]
 _PUBLISH_FROM_VALIDATED = _NEXT[_VALIDATED][_PUBLISH]
@@ -427,28 +433,30 @@ class BlockPool:
         having taken none. ``external_refs`` is 1 for block-level holders."""
         if n <= 0:
             return []
-        blocks = self._blocks
         free = self._free
-        policy = self.zero_policy
-        zero = self._zero
-        counts = self._counts
         ids = free.take_empty(n)
         if ids is not None:
             # Fast path: only FREE blocks (no quarantine, no eviction) -- FREE
             # --ALLOCATE--> ALLOCATED for all of them, counted once.
+            blocks = self._blocks
             for block_id in ids:
                 block = blocks[block_id]
                 block.state = _ALLOCATED
                 block.ref_cnt = 1
                 block.external_refs = external_refs
                 block.generation += 1
+            counts = self._counts
             counts[_FREE] -= n
             counts[_ALLOCATED] += n
-            if policy is ZeroPolicy.ALL:
+            if self.zero_policy is ZeroPolicy.ALL:
                 for block_id in ids:
-                    zero.add_block(block_id)
+                    self._zero.add_block(block_id)
                 self._counters.blocks_zeroed += n
             return ids
+        blocks = self._blocks
+        policy = self.zero_policy
+        zero = self._zero
+        counts = self._counts
         if n > len(free):
             raise OutOfBlocksError(n, len(free))
         out: list[int] = []
@@ -812,8 +820,10 @@ class BlockPool:
         rec.num_written = boundary
         rec.num_validated = new_validated
         rec.publish_cursor = min(rec.publish_cursor, new_validated // size)
-        # Generated tokens past the boundary will be produced again; prompt ids stay.
-        del rec.token_ids[max(boundary, rec.num_prompt_tokens) :]
+        # The token at position t was sampled by the step that processed t - 1, so the
+        # ids up to and including ``boundary`` stay valid; later generated ones will be
+        # produced again. Prompt ids always stay.
+        del rec.token_ids[max(boundary + 1, rec.num_prompt_tokens) :]
         if not rec.explicit_hashes:
             del rec.block_hashes[len(rec.token_ids) // size :]
         result = TailRollback(request_id, boundary, old - boundary, tuple(slots))

@@ -442,3 +442,19 @@ def test_env_variable_turns_invariant_checks_on(monkeypatch: pytest.MonkeyPatch)
     quiet = BlockPool(4, 4)
     quiet._counts[S.WRITTEN] += 1
     quiet.add_request("a", PROMPT)
+
+
+def test_zero_request_tail_keeps_the_token_sampled_by_the_last_validated_step() -> None:
+    pool = make_pool(8, 4)
+    pool.add_request("a", PROMPT[:6])
+    pool.allocate("a", 8)
+    pool.write("a", 6)
+    pool.validate_step("a")
+    pool.append_tokens("a", [60])  # sampled by the validated step: the input at 6
+    pool.write("a", 1)
+    pool.append_tokens("a", [61])  # sampled by the step that will be rolled back
+    pool.zero_request_tail("a")
+    assert pool.snapshot().requests[0].token_ids == (*PROMPT[:6], 60)
+    pool.write("a", 2)  # positions 6 and 7 are written again
+    pool.validate_step("a")
+    assert pool.append_tokens("a", [62]) == pool.block_table("a")[1:]  # block 1 now full

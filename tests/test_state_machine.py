@@ -194,12 +194,14 @@ class PoolMachine(RuleBasedStateMachine):
             assert pool.snapshot() == before
             return
         boundary = rollback.num_tokens
-        assert pool.progress(rid).num_written_tokens == boundary
+        progress = pool.progress(rid)
+        assert progress.num_written_tokens == boundary
+        truncated_step = boundary > progress.num_validated_tokens
         for i, block_id in enumerate(pool.block_table(rid)):
             writes = self.unvalidated[block_id]
             cut = {w for w in writes if w[0] == rid and w[1] > boundary}
             writes -= cut
-            if cut and i * BLOCK < boundary:
+            if cut and truncated_step and i * BLOCK < boundary:
                 # The step straddling the boundary is truncated, still pending.
                 writes.add((rid, boundary))
         for slot in rollback.slots:

@@ -347,8 +347,9 @@ class Engine:
         del seq.tokens[keep:]
         seq.delivered = keep - seq.num_prompt
         seq.num_computed = boundary
-        # The pool dropped the ids of rolled-back positions; give back those we keep.
-        seq.pool_tokens = min(seq.pool_tokens, max(boundary, seq.pool_prompt))
+        # The pool kept the ids up to and including the boundary (the last one was
+        # sampled by a validated step) and dropped later ones; give back what we keep.
+        seq.pool_tokens = min(seq.pool_tokens, max(boundary + 1, seq.pool_prompt))
         self._sync_pool_tokens(seq)
         seq.epoch += 1
         seq.recoveries += 1
