@@ -58,14 +58,13 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
             "report.json and sweep.png to --out. Exits 1 if a kvguard policy lets any "
             "corruption escape."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
         "--scenario",
         choices=_SIM_SCENARIOS,
         default="default",
         help="named preset: 'default' (the README's, under a minute on 2 CPU cores) or "
-        "'ci' (a smaller one for tests)",
+        "'ci' (a smaller one for tests) (default: default)",
     )
     p.add_argument(
         "--policies",
@@ -74,7 +73,7 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="comma-separated policies to compare: eager (vLLM 0.33: publish at schedule "
         "time, no abort), defer-zero-all (vLLM PR #50283), kvguard (defer, abort alone, zero "
         "suspect blocks, recover rank failures), kvguard-audit (plus a KV audit before "
-        "publication)",
+        "publication) (default: all four)",
     )
     p.add_argument(
         "--fault-rate",
@@ -96,11 +95,23 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         default=None,
         help="comma-separated fault rates for the plot (default: the scenario's; '' for none)",
     )
-    p.add_argument("--seed", type=int, default=None, help="workload and fault seed")
-    p.add_argument("--requests", type=int, default=None, help="number of requests")
-    p.add_argument("--num-blocks", type=int, default=None, help="GPU KV blocks in the pool")
     p.add_argument(
-        "--tier-blocks", type=int, default=None, help="CPU offload tier capacity (0: off)"
+        "--seed", type=int, default=None, help="workload and fault seed (default: the scenario's)"
+    )
+    p.add_argument(
+        "--requests", type=int, default=None, help="number of requests (default: the scenario's)"
+    )
+    p.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="GPU KV blocks in the pool (default: the scenario's)",
+    )
+    p.add_argument(
+        "--tier-blocks",
+        type=int,
+        default=None,
+        help="CPU offload tier capacity in blocks, 0 for none (default: the scenario's)",
     )
     sched = p.add_mutually_exclusive_group()
     sched.add_argument(
@@ -125,7 +136,8 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument(
         "--out",
         default="kvguard-report",
-        help="directory for report.json and sweep.png (created if missing)",
+        help="directory for report.json and sweep.png, created if missing "
+        "(default: kvguard-report)",
     )
     p.add_argument("--no-plot", action="store_true", help="skip the PNG (and matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
