@@ -842,7 +842,7 @@ class BlockPool:
         """
         if type(num_blocks) is not int or num_blocks < 0:
             _check_count("num_blocks", num_blocks)
-        return self._take_free(num_blocks, external_refs=1)
+        return self._take_free(num_blocks, 1)
 
     def acquire_blocks(self, block_ids: Iterable[int]) -> None:
         """Take a block-level reference on cached (PUBLISHED/OFFLOADED) blocks."""
@@ -876,6 +876,7 @@ class BlockPool:
         ids = block_ids if isinstance(block_ids, list) else list(block_ids)
         blocks = self._blocks
         num_blocks = self.num_blocks
+        targets: list[Block] = []
         if len(ids) == 1 or len(set(ids)) == len(ids):
             for block_id in ids:
                 if type(block_id) is not int or not 0 <= block_id < num_blocks:
@@ -883,24 +884,26 @@ class BlockPool:
                 block = blocks[block_id]
                 if not block.external_refs or not block.ref_cnt:
                     self._check_release(block, 1)  # raises
+                targets.append(block)
         else:
             wanted: dict[int, int] = {}
             for block_id in ids:
                 wanted[block_id] = wanted.get(block_id, 0) + 1
             for block_id, n in wanted.items():
                 self._check_release(self._block(block_id), n)
+            targets = [blocks[block_id] for block_id in ids]
         released: list[Block] = []
         empty: list[int] = []
-        for block_id in ids:
-            block = blocks[block_id]
+        for block in targets:
             block.external_refs -= 1
-            block.ref_cnt -= 1
-            if block.ref_cnt:
+            ref = block.ref_cnt - 1
+            block.ref_cnt = ref
+            if ref:
                 continue
             if block.state is _ALLOCATED:
                 # Never written: ALLOCATED --RELEASE--> FREE, inlined (the common case).
                 block.state = _FREE
-                empty.append(block_id)
+                empty.append(block.block_id)
             else:
                 released.append(block)
         if empty:
