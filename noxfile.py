@@ -1,4 +1,5 @@
-"""Developer sessions. `nox` runs tests, lint and mypy; `nox -s bench` etc. on demand."""
+"""Developer sessions. `nox` runs tests, lint and mypy; `nox -s bench`, `nox -s vllm`
+and `nox -s docs` on demand."""
 
 from __future__ import annotations
 
@@ -43,6 +44,18 @@ def bench(session: nox.Session) -> None:
     """Benchmarks: kvguard's pool against vLLM 0.33's (when installed), kernels."""
     _install_dev(session)
     session.run("python", "benchmarks/pool_ops.py", *session.posargs)
+    session.run("python", "benchmarks/kernels.py")
+
+
+@nox.session
+def vllm(session: nox.Session) -> None:
+    """vLLM adapter tests against the real vllm==0.33.0, installed for CPU by
+    .ci/install-vllm (the ../shared/vllm recipe); then the scheduler benchmark."""
+    session.run("bash", ".ci/install-vllm", external=True)
+    session.install("-e", ".", "pytest")
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
+    session.run("python", "-m", "pytest", "-m", "vllm", "tests/vllm", *session.posargs, env=env)
+    session.run("python", "benchmarks/vllm_scheduler.py", env=env)
 
 
 @nox.session
