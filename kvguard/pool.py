@@ -786,7 +786,7 @@ class BlockPool:
         size = self.block_size
         blocks = self._blocks
         table = rec.blocks
-        affected = range(boundary // size, _cdiv(old, size))
+        affected = range(boundary // size, _cdiv(old, size) if boundary < old else 0)
         for i in affected:
             block = blocks[table[i]]
             if block.state in MATCHABLE_STATES or block.ref_cnt != 1 or block.external_refs:
@@ -794,6 +794,15 @@ class BlockPool:
                     f"rolling request {request_id!r} back to token {boundary} would wipe "
                     f"block {block.block_id} ({block.state.name}, ref_cnt={block.ref_cnt}), "
                     "which other requests can see; invalidate() its hash instead"
+                )
+        if affected and boundary % size:
+            first = blocks[table[affected[0]]]
+            if first.state is _QUARANTINED and (affected[0] + 1) * size <= rec.num_validated:
+                # Quarantined though wholly validated: its hash was tainted (invalidate),
+                # so the prefix this rollback would keep is corrupt too.
+                raise RollbackError(
+                    f"block {first.block_id} of request {request_id!r} was invalidated; "
+                    f"roll back to its start (token {affected[0] * size}) or free the request"
                 )
         new_validated = min(rec.num_validated, boundary)
         slots: list[SlotRange] = []

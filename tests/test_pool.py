@@ -12,6 +12,7 @@ from kvguard import (
     BlockStored,
     OutOfBlocksError,
     RequestAborted,
+    RollbackError,
     SlotRange,
     StepOutcome,
     ZeroPolicy,
@@ -458,3 +459,34 @@ def test_zero_request_tail_keeps_the_token_sampled_by_the_last_validated_step() 
     pool.write("a", 2)  # positions 6 and 7 are written again
     pool.validate_step("a")
     assert pool.append_tokens("a", [62]) == pool.block_table("a")[1:]  # block 1 now full
+
+
+def test_zero_request_tail_with_nothing_to_wipe_changes_nothing() -> None:
+    pool = make_pool(8, 4)
+    pool.add_request("a", PROMPT)
+    pool.allocate("a", 16)
+    pool.write("a", 6)
+    pool.validate_step("a")
+    before = pool.snapshot()
+    rollback = pool.zero_request_tail("a")
+    assert rollback.num_tokens_wiped == 0 and rollback.slots == ()
+    assert pool.snapshot().blocks == before.blocks
+    assert pool.take_slots_to_zero() == []
+
+
+def test_zero_request_tail_never_keeps_a_tainted_prefix() -> None:
+    pool = make_pool(8, 4, enable_caching=True)
+    pool.add_request("a", PROMPT)
+    pool.allocate("a", 16)
+    pool.write("a", 16)
+    pool.validate_step("a")
+    pool.add_request("b", PROMPT)
+    hashes = hash_block_tokens(PROMPT, 4)
+    pool.invalidate([hashes[3]])  # block 3 of a is corrupt after all
+    before = pool.snapshot()
+    with pytest.raises(RollbackError, match="invalidated"):
+        pool.zero_request_tail("a", 2)  # would keep tokens 12, 13 of the tainted block
+    assert pool.snapshot() == before
+    rollback = pool.zero_request_tail("a", 4)  # the whole tainted block goes
+    assert rollback.num_tokens == 12
+    assert states(pool, "a") == [S.PUBLISHED] * 3 + [S.ALLOCATED]
