@@ -2,7 +2,7 @@
 
 A block's hash covers its parent's hash, its token ids and (for the first block) an
 optional salt, so equal hashes mean equal prefixes, not just equal blocks. The default
-hasher is BLAKE2b-128 over the token ids' little-endian int64 bytes: collision-resistant
+hasher is BLAKE2b-128 over the token ids' int64 bytes (machine byte order): collision-resistant
 (a collision would serve another prompt's KV) and about a microsecond per block.
 Engines that hash blocks themselves (vLLM does) pass their hashes in instead.
 """
@@ -34,7 +34,8 @@ def default_block_hasher(
         h.update(salt)
     else:
         h.update(b"R")
-    h.update(array("q", token_ids).tobytes())
+    # The pool hands in slices of its int64 arrays: their bytes are hashed directly.
+    h.update(token_ids if isinstance(token_ids, array) else array("q", token_ids))
     return BlockHash(h.digest())
 
 

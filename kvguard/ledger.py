@@ -13,6 +13,7 @@ scheduling alike), so validating a step moves ``num_validated`` to ``pending[0]`
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -22,7 +23,7 @@ from kvguard.hashing import BlockHash
 @dataclass(slots=True, eq=False)
 class RequestRecord:
     request_id: str
-    token_ids: list[int]
+    token_ids: array[int]
     """Token ids known so far (prompt, then appended outputs); used for hashing."""
     salt: bytes | None
     retention: int

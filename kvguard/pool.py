@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
@@ -142,6 +143,14 @@ _MUTATORS = (
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _token_array(token_ids: Iterable[int]) -> array[int]:
+    """Token ids as a compact int64 array; bad ids fail here, not later mid-publication."""
+    try:
+        return array("q", token_ids)
+    except (TypeError, OverflowError) as exc:
+        raise PoolMisuseError(f"token ids must be ints in int64 range: {exc}") from None
 
 
 def _check_count(name: str, value: int) -> None:
@@ -294,7 +303,7 @@ class BlockPool:
             raise PoolMisuseError(f"retention must be an int, got {retention!r}")
         if salt is not None and not isinstance(salt, bytes):
             raise PoolMisuseError(f"salt must be bytes or None, got {salt!r}")
-        tokens = list(token_ids)
+        tokens = _token_array(token_ids)
         rec = RequestRecord(
             request_id,
             tokens,
@@ -314,7 +323,7 @@ class BlockPool:
         published now; returns their ids.
         """
         rec = self._record(request_id)
-        rec.token_ids.extend(token_ids)
+        rec.token_ids.extend(_token_array(token_ids))
         return self._publish_ready(rec)
 
     def append_block_hashes(

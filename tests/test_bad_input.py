@@ -77,6 +77,9 @@ def cases(w: World) -> list[tuple[str, Callable[[], Any], type[KvGuardError]]]:
         ("unknown request: tokens", lambda: p.append_tokens("nope", [1]), UnknownRequestError),
         ("unknown request: table", lambda: p.block_table("nope"), UnknownRequestError),
         ("duplicate request", lambda: p.add_request("fresh"), DuplicateRequestError),
+        ("non-int token ids", lambda: p.add_request("x", ["a"]), PoolMisuseError),  # type: ignore[list-item]
+        ("token id past int64", lambda: p.add_request("x", [2**63]), PoolMisuseError),
+        ("append non-int tokens", lambda: p.append_tokens("pending", [1.5]), PoolMisuseError),  # type: ignore[list-item]
         ("non-str request id", lambda: p.add_request(7), PoolMisuseError),  # type: ignore[arg-type]
         ("bad salt", lambda: p.add_request("x", salt="s"), PoolMisuseError),  # type: ignore[arg-type]
         ("negative allocate", lambda: p.allocate("fresh", -1), PoolMisuseError),
