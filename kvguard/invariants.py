@@ -175,7 +175,18 @@ class RequestSnapshot:
 class PoolSnapshot:
     """Everything observable about a pool; equal snapshots mean nothing changed."""
 
-    blocks: tuple[tuple[BlockInfo, int, BlockHash | None], ...]
+    blocks: tuple[
+        tuple[
+            BlockInfo,
+            int,
+            BlockHash | None,
+            int,
+            tuple[BlockHash, BlockHash | None, str] | None,
+        ],
+        ...,
+    ]
+    """Per block: info, external refs, parent hash, block-level writers in flight,
+    pending publication."""
     free_queue: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
     index: tuple[tuple[BlockHash, int], ...]
     requests: tuple[RequestSnapshot, ...]
@@ -189,7 +200,10 @@ class PoolSnapshot:
 
 def take_snapshot(pool: BlockPool) -> PoolSnapshot:
     return PoolSnapshot(
-        blocks=tuple((BlockInfo.of(b), b.external_refs, b.parent_hash) for b in pool._blocks),
+        blocks=tuple(
+            (BlockInfo.of(b), b.external_refs, b.parent_hash, b.writers, b.pending_publication)
+            for b in pool._blocks
+        ),
         free_queue=pool._free.snapshot(),
         index=tuple(sorted(pool._index.items())),
         requests=tuple(

@@ -109,6 +109,8 @@ if not (
 # The two single-source transitions of the validation path, read off the table.
 _VALIDATE_FROM_WRITTEN = _NEXT[_WRITTEN][_VALIDATE]
 _PUBLISH_FROM_VALIDATED = _NEXT[_VALIDATED][_PUBLISH]
+# The block-level write of a freshly allocated block (write_blocks' fast path).
+_WRITTEN_FROM_ALLOCATED = _NEXT[_ALLOCATED][_WRITE]
 # Cached states a release leaves as they are (they become eviction candidates).
 _STAYS_CACHED = frozenset(s for s in MATCHABLE_STATES if _RELEASE_TO.get(s) is s)
 
@@ -955,20 +957,41 @@ class BlockPool:
         They become WRITTEN (not matchable, not storable) until every step writing
         them passed :meth:`validate_blocks`. A validated block that is written again
         loses any hash it carried: its bytes change.
+
+        Runtime: one pass when every block is ALLOCATED (blocks just handed out, the
+        common case for a holder that marks blocks written when it allocates them).
         """
-        ids = list(block_ids)
+        ids = block_ids if isinstance(block_ids, list) else list(block_ids)
+        blocks = self._blocks
+        num_blocks = self.num_blocks
+        checked: list[Block] = []
+        fast = True
         for block_id in ids:
-            block = self._block(block_id)
+            if type(block_id) is not int or not 0 <= block_id < num_blocks:
+                self._block(block_id)  # raises UnknownBlockError
+            block = blocks[block_id]
             if block.external_refs == 0:
                 raise ForeignBlockError(
                     f"block {block_id} is not held through allocate_blocks()/"
                     "acquire_blocks(); request-level blocks are written with write()"
                 )
-            if block.state not in (_ALLOCATED, _WRITTEN, _VALIDATED):
-                raise IllegalTransitionError(block_id, block.state, _WRITE)
-        blocks = self._blocks
-        for block_id in ids:
-            block = blocks[block_id]
+            state = block.state
+            if state is not _ALLOCATED:
+                fast = False
+                if state is not _WRITTEN and state is not _VALIDATED:
+                    raise IllegalTransitionError(block_id, state, _WRITE)
+            checked.append(block)
+        if fast and len(set(ids)) == len(ids):
+            # ALLOCATED --WRITE--> WRITTEN for all of them, counted once (an
+            # ALLOCATED block carries no hash).
+            for block in checked:
+                block.state = _WRITTEN_FROM_ALLOCATED
+                block.writers = 1
+            counts = self._counts
+            counts[_ALLOCATED] -= len(checked)
+            counts[_WRITTEN_FROM_ALLOCATED] += len(checked)
+            return
+        for block in checked:
             if block.state is not _WRITTEN:
                 if block.block_hash is not None:
                     block.block_hash = None
@@ -982,19 +1005,26 @@ class BlockPool:
 
         A block no other in-flight step writes becomes VALIDATED, and its deferred
         publication (:meth:`publish_block`) happens now.
+
+        Runtime: one checking pass and one applying pass over the ids; one result
+        object per call (callers batch a whole step's blocks into one call).
         """
-        ids = list(block_ids)
-        wanted: dict[int, int] = {}
-        for block_id in ids:
-            wanted[block_id] = wanted.get(block_id, 0) + 1
-        for block_id, n in wanted.items():
-            block = self._block(block_id)
-            if block.state is not _WRITTEN or block.writers < n:
-                raise NoPendingStepError(
-                    f"block {block_id} is {block.state.name} with {block.writers} step(s) "
-                    f"in flight, cannot validate {n}; was it released or failed meanwhile?"
-                )
+        ids = block_ids if isinstance(block_ids, list) else list(block_ids)
         blocks = self._blocks
+        num_blocks = self.num_blocks
+        for block_id in ids:
+            if type(block_id) is not int or not 0 <= block_id < num_blocks:
+                self._block(block_id)  # raises UnknownBlockError
+            block = blocks[block_id]
+            if block.state is not _WRITTEN or not block.writers:
+                self._no_pending_step(block, 1)
+        if len(set(ids)) != len(ids):
+            wanted: dict[int, int] = {}
+            for block_id in ids:
+                wanted[block_id] = wanted.get(block_id, 0) + 1
+            for block_id, n in wanted.items():
+                if blocks[block_id].writers < n:
+                    self._no_pending_step(blocks[block_id], n)
         validated: list[int] = []
         published: list[int] = []
         duplicates: list[int] = []
@@ -1003,16 +1033,48 @@ class BlockPool:
             block.writers -= 1
             if block.writers:
                 continue
-            self._move(block, _VALIDATE)
+            # WRITTEN --VALIDATE--> VALIDATED, counted once below.
+            block.state = _VALIDATE_FROM_WRITTEN
             validated.append(block_id)
             pending = block.pending_publication
             if pending is not None:
                 block.pending_publication = None
-                if self._publish_one(block, *pending):
+                if self._publish_validated(block, *pending):
                     published.append(block_id)
                 else:
                     duplicates.append(block_id)
+        if validated:
+            counts = self._counts
+            counts[_WRITTEN] -= len(validated)
+            counts[_VALIDATE_FROM_WRITTEN] += len(validated)
+            if published:
+                counts[_VALIDATE_FROM_WRITTEN] -= len(published)
+                counts[_PUBLISH_FROM_VALIDATED] += len(published)
+                self._counters.blocks_published += len(published)
         return BlockValidation(tuple(validated), tuple(published), tuple(duplicates))
+
+    @staticmethod
+    def _no_pending_step(block: Block, n: int) -> None:
+        raise NoPendingStepError(
+            f"block {block.block_id} is {block.state.name} with {block.writers} step(s) "
+            f"in flight, cannot validate {n}; was it released or failed meanwhile?"
+        )
+
+    def _publish_validated(
+        self, block: Block, block_hash: BlockHash, parent_hash: BlockHash | None, owner: str
+    ) -> bool:
+        """:meth:`_publish_one` for :meth:`validate_blocks`, which counts the state
+        change and ``blocks_published`` for the whole batch (VALIDATED --PUBLISH-->
+        PUBLISHED, inlined)."""
+        block.block_hash = block_hash
+        block.parent_hash = parent_hash
+        index = self._index
+        if block_hash in index:
+            return False
+        block.state = _PUBLISH_FROM_VALIDATED
+        index[block_hash] = block.block_id
+        self._events.append(BlockStored(owner, (block_hash,), (block.block_id,), parent_hash))
+        return True
 
     def fail_blocks(self, block_ids: Iterable[int]) -> tuple[int, ...]:
         """A step that wrote these blocks failed (or can never be validated).

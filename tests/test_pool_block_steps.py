@@ -179,3 +179,80 @@ def test_reset_prefix_cache_keeps_a_placeholder_held() -> None:
     assert pool.cached_block_id(H1) is None
     assert pool.block_state(b) is BlockState.FREE
     assert pool.block_state(null) is BlockState.ALLOCATED
+
+
+def test_write_fast_path_matches_the_table() -> None:
+    """Freshly allocated blocks written in one call (the adapter's allocation path)
+    take the batched ALLOCATED -> WRITTEN path; counts and writers agree with it."""
+    pool = _pool()
+    ids = pool.allocate_blocks(3)
+    pool.write_blocks(ids)
+    assert [_state(pool, b) for b in ids] == [BlockState.WRITTEN] * 3
+    stats = pool.stats()
+    assert stats.blocks_by_state[BlockState.WRITTEN] == 3
+    assert stats.blocks_by_state[BlockState.ALLOCATED] == 0
+    # One writer each: a single validation settles them.
+    assert pool.validate_blocks(ids).validated == tuple(ids)
+    # A duplicated id leaves the fast path: two writers, validated twice.
+    (b,) = pool.allocate_blocks(1)
+    pool.write_blocks([b, b])
+    assert pool.validate_blocks([b]).validated == ()
+    assert pool.validate_blocks([b]).validated == (b,)
+
+
+def test_write_refuses_mixed_batches_atomically() -> None:
+    pool = _pool()
+    a, b, c = pool.allocate_blocks(3)
+    pool.write_blocks([a])
+    pool.validate_blocks([a])
+    pool.publish_block(a, H1)
+    before = pool.snapshot()
+    with pytest.raises(IllegalTransitionError):
+        pool.write_blocks([b, c, a])
+    with pytest.raises(ForeignBlockError):
+        pool.write_blocks([b, 5])  # block 5 is FREE: not held through the block API
+    assert pool.snapshot() == before
+
+
+def test_batched_validation_publishes_and_counts() -> None:
+    pool = _pool()
+    a, b, c = pool.allocate_blocks(3)
+    pool.write_blocks([a, b, c])
+    assert pool.publish_block(a, H1, owner="r") is PublishOutcome.DEFERRED
+    assert pool.publish_block(b, H2, H1, owner="r") is PublishOutcome.DEFERRED
+    pool.take_events()
+    result = pool.validate_blocks([a, b, c])
+    assert result.validated == (a, b, c) and result.published == (a, b)
+    assert result.duplicates == ()
+    stats = pool.stats()
+    assert stats.blocks_by_state[BlockState.PUBLISHED] == 2
+    assert stats.blocks_by_state[BlockState.VALIDATED] == 1
+    assert stats.counters.blocks_published == 2
+    assert pool.take_events() == [
+        BlockStored("r", (H1,), (a,), None),
+        BlockStored("r", (H2,), (b,), H1),
+    ]
+
+
+def test_validate_errors_change_nothing() -> None:
+    pool = _pool()
+    a, b = pool.allocate_blocks(2)
+    pool.write_blocks([a])
+    pool.publish_block(a, H1)
+    before = pool.snapshot()
+    with pytest.raises(NoPendingStepError):
+        pool.validate_blocks([a, a])  # one writer, two validations
+    with pytest.raises(NoPendingStepError):
+        pool.validate_blocks([a, b])  # b was never written
+    assert pool.snapshot() == before
+
+
+def test_snapshot_sees_writers_and_pending_publication() -> None:
+    pool = _pool()
+    (a,) = pool.allocate_blocks(1)
+    pool.write_blocks([a])
+    before = pool.snapshot()
+    pool.publish_block(a, H1, owner="r")
+    after = pool.snapshot()
+    assert after != before
+    assert after.blocks[a][3] == 1 and after.blocks[a][4] == (H1, None, "r")

@@ -14,7 +14,8 @@ subclass, so every attribute vLLM or a connector reads exists). Two modes:
   ``cache_full_blocks`` no longer inserts at schedule time: it asks kvguard to publish,
   and kvguard defers blocks whose step is still unchecked until
   :meth:`validate_step` says it passed. The guarded scheduler drives
-  :meth:`record_step` / :meth:`validate_step` / :meth:`fail_step`.
+  :meth:`take_step_fills` / :meth:`validate_step` / :meth:`settle_tail` /
+  :meth:`fail_step`.
 
 Guarded mode supports full-attention KV cache groups (MHA, GQA, MLA); sliding-window,
 chunked-local and Mamba groups copy or re-point cached blocks (``move_block_hashes``,
@@ -50,9 +51,7 @@ from kvguard.states import BlockState  # noqa: E402
 
 from .config import GuardConfig  # noqa: E402
 
-_SKIP_ON_WRITE = frozenset({BlockState.PUBLISHED, BlockState.OFFLOADED, BlockState.QUARANTINED})
-"""States a step's write skips: shared cached KV is never rewritten, and a quarantined
-block stays quarantined (never published, zeroed on reuse) whatever is written into it."""
+_WRITTEN = BlockState.WRITTEN
 
 
 class GuardModeUnsupported(NotImplementedError):
@@ -98,9 +97,11 @@ class GuardedBlockPool(BlockPool):
         )
         self.guard = guard if guard is not None else GuardConfig(enabled=False)
         self.core: KvGuardPool | None = None
-        # block id -> (request, block index, block size, group) of a publication that
-        # waits for its step, so that vLLM's hash and KV event can follow kvguard's.
-        self._deferred: dict[int, tuple[Any, int, int, int]] = {}
+        # block id -> (request, block index, block size, group, key) of a publication
+        # that waits for its step, so that vLLM's hash and KV event can follow kvguard's.
+        self._deferred: dict[int, tuple[Any, int, int, int, BlockHash]] = {}
+        # request id -> blocks filled while the current step was being scheduled.
+        self._fills: dict[str, list[int]] = {}
         if not self.guard.enabled:
             return
         core = KvGuardPool(
@@ -115,34 +116,55 @@ class GuardedBlockPool(BlockPool):
         assert null_id == self.null_block.block_id == 0, "null block must be block 0"
         core.take_blocks_to_zero()  # the null block is never read
         self.core = core
-        self.free_block_queue = _FreeQueueOwnedByKvGuard()  # type: ignore[assignment]
+        # vLLM asks for the free count on every allocate_slots call: kept here, in
+        # step with kvguard's (check_mirror compares them), and answered in one call.
+        self._num_free = core.get_num_free_blocks()
+        self.get_num_free_blocks = self._guarded_num_free
+        self.free_block_queue = _FreeQueueOwnedByKvGuard()
 
     # ------------------------------------------------------------------ steps (guarded)
+    #
+    # A block is WRITTEN from the moment vLLM hands it to a request (it is allocated
+    # because the step being scheduled writes it) until the step that *fills* it
+    # validates -- the step during whose scheduling vLLM caches it -- or, for a partial
+    # tail block, until its request ends after a clean step. A decode step writing one
+    # more token into a partial block therefore costs the guard nothing.
 
-    def record_step(self, block_ids: Sequence[int]) -> None:
-        """A scheduled step writes these blocks (the scheduler computed them)."""
-        assert self.core is not None
-        self.core.write_blocks(block_ids)
-
-    def writable_ids(self, blocks: Sequence[KVCacheBlock], lo: int, hi: int) -> list[int]:
-        """Ids of ``blocks[lo:hi]`` a step's write changes state of (see _SKIP_ON_WRITE)."""
-        assert self.core is not None
-        state = self.core.block_state
-        return [
-            b.block_id
-            for b in blocks[lo:hi]
-            if not b.is_null and state(b.block_id) not in _SKIP_ON_WRITE
-        ]
+    def take_step_fills(self) -> dict[str, list[int]]:
+        """Blocks filled (cached by vLLM) since the last call, per request id."""
+        fills = self._fills
+        self._fills = {}
+        return fills
 
     def validate_step(self, block_ids: Sequence[int]) -> BlockValidation:
-        """The step that wrote ``block_ids`` produced finite logits for its request."""
+        """The steps that filled ``block_ids`` produced finite logits for their requests."""
         assert self.core is not None
         result = self.core.validate_blocks(block_ids)
-        for block_id in result.published + result.duplicates:
-            pending = self._deferred.pop(block_id, None)
-            if pending is not None:
-                self._mirror_publication(self.blocks[block_id], *pending)
+        deferred = self._deferred
+        if deferred:
+            blocks = self.blocks
+            for block_id in result.published + result.duplicates:
+                pending = deferred.pop(block_id, None)
+                if pending is not None:
+                    self._mirror_publication(blocks[block_id], *pending)
         return result
+
+    def settle_tail(self, block_lists: Iterable[Sequence[KVCacheBlock]]) -> None:
+        """A request ends with no step in flight and its last step clean: validate the
+        blocks it wrote that no step filled (its partial tail), so that releasing them
+        does not quarantine them."""
+        core = self.core
+        assert core is not None
+        state = core.block_state
+        ids: list[int] = []
+        for blocks in block_lists:
+            # Blocks are filled, hence validated, in order: the unvalidated ones trail.
+            for block in reversed(blocks):
+                if block.is_null or state(block.block_id) is not _WRITTEN:
+                    break
+                ids.append(block.block_id)
+        if ids:
+            self.validate_step(ids)
 
     def fail_step(self, block_ids: Iterable[int]) -> tuple[int, ...]:
         """The step failed (or can never be validated): quarantine what it wrote."""
@@ -205,6 +227,7 @@ class GuardedBlockPool(BlockPool):
                 make_block_hash_with_group_id(hashes[num_cached_blocks - 1], kv_cache_group_id)
             )
         owner = request.request_id
+        filled: list[int] | None = None
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             key = BlockHash(make_block_hash_with_group_id(hashes[i], kv_cache_group_id))
@@ -216,19 +239,35 @@ class GuardedBlockPool(BlockPool):
                     pass  # quarantined by a failed step: never published
                 else:
                     if outcome is PublishOutcome.DEFERRED:
-                        self._deferred[block.block_id] = (request, i, block_size, kv_cache_group_id)
+                        # Filled by the step being scheduled: published when it validates.
+                        self._deferred[block.block_id] = (
+                            request,
+                            i,
+                            block_size,
+                            kv_cache_group_id,
+                            key,
+                        )
+                        if filled is None:
+                            filled = self._fills.setdefault(owner, [])
+                        filled.append(block.block_id)
                     else:
-                        self._mirror_publication(block, request, i, block_size, kv_cache_group_id)
+                        self._mirror_publication(
+                            block, request, i, block_size, kv_cache_group_id, key
+                        )
             parent = key
 
     def _mirror_publication(
-        self, block: KVCacheBlock, request: Any, index: int, block_size: int, group_id: int
+        self,
+        block: KVCacheBlock,
+        request: Any,
+        index: int,
+        block_size: int,
+        group_id: int,
+        key: BlockHash,
     ) -> None:
         """kvguard published (or holds a duplicate of) ``block``: give vLLM's view its
         hash and emit vLLM's ``BlockStored`` now, after validation."""
-        assert self.core is not None
-        key = self.core.block_info(block.block_id).block_hash
-        if key is None or block.block_hash is not None:
+        if block.block_hash is not None:
             return
         block.set_block_hash(BlockHashWithGroupId(key), num_tokens=(index + 1) * block_size)
         if not self.enable_kv_cache_events:
@@ -260,7 +299,7 @@ class GuardedBlockPool(BlockPool):
         key = block.block_hash
         if key is None:
             return
-        block.reset_hash()  # type: ignore[no-untyped-call]
+        block.reset_hash()
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(
                 BlockRemoved(
@@ -280,6 +319,10 @@ class GuardedBlockPool(BlockPool):
             ids = core.allocate_blocks(num_blocks)
         except OutOfBlocksError:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool") from None
+        # Handed out because the step being scheduled writes them (or a connector
+        # loads KV into them): unvalidated until the step that fills them passes.
+        core.write_blocks(ids)
+        self._num_free -= num_blocks
         blocks = self.blocks
         ret = [blocks[i] for i in ids]
         if self._reuse_watchers:
@@ -305,6 +348,8 @@ class GuardedBlockPool(BlockPool):
         core.acquire_blocks([b.block_id for b in live])
         collector = self.metrics_collector
         for block in live:
+            if not block.ref_cnt:
+                self._num_free -= 1  # an evictable cached block leaves the free queue
             block.ref_cnt += 1
             if collector:
                 collector.on_block_accessed(block)
@@ -314,7 +359,8 @@ class GuardedBlockPool(BlockPool):
         if core is None:
             super().free_blocks(ordered_blocks)
             return
-        mine: list[KVCacheBlock] = []
+        ids: list[int] = []
+        last: list[int] = []  # blocks whose last reference goes
         other_pools: dict[Any, list[KVCacheBlock]] = {}
         for block in ordered_blocks:
             if block.is_null:
@@ -322,16 +368,22 @@ class GuardedBlockPool(BlockPool):
             if block.pool is not None and block.pool is not self:
                 other_pools.setdefault(block.pool, []).append(block)
                 continue
-            mine.append(block)
-        # Released blocks whose step never validated are quarantined by kvguard here.
-        core.release_blocks([b.block_id for b in mine])
+            ids.append(block.block_id)
+            if block.ref_cnt == 1:
+                last.append(block.block_id)
+        # Released blocks whose step never validated are quarantined by kvguard here
+        # (it raises, changing nothing, on a double free).
+        core.release_blocks(ids)
+        blocks = self.blocks
+        for block_id in ids:
+            blocks[block_id].ref_cnt -= 1
+        self._num_free += len(last)
         deferred = self._deferred
-        for block in mine:
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0 and deferred:
-                deferred.pop(block.block_id, None)
-        for pool, blocks in other_pools.items():
-            pool.free_blocks(blocks)
+        if deferred:
+            for block_id in last:
+                deferred.pop(block_id, None)
+        for pool, others in other_pools.items():
+            pool.free_blocks(others)
 
     # ------------------------------------------------------------------ cache control
 
@@ -363,7 +415,7 @@ class GuardedBlockPool(BlockPool):
         if self._reuse_watchers:
             self._notify_reuse([self.blocks[b] for b in list(self._reuse_watchers)])
         for block in self.blocks:
-            block.reset_hash()  # type: ignore[no-untyped-call]
+            block.reset_hash()
         if self.metrics_collector:
             self.metrics_collector.reset()
         if self.enable_kv_cache_events:
@@ -372,11 +424,8 @@ class GuardedBlockPool(BlockPool):
             self.kv_event_queue.append(AllBlocksCleared())
         return True
 
-    def get_num_free_blocks(self) -> int:
-        core = self.core
-        if core is None:
-            return super().get_num_free_blocks()
-        return core.get_num_free_blocks()
+    def _guarded_num_free(self) -> int:
+        return self._num_free
 
     def take_events(self) -> list[Any]:
         if self.core is not None:
@@ -410,6 +459,9 @@ class GuardedBlockPool(BlockPool):
         if core is None:
             return
         core.check_invariants()
+        assert self._num_free == core.get_num_free_blocks(), (
+            f"free count {self._num_free} != kvguard's {core.get_num_free_blocks()}"
+        )
         for block in self.blocks:
             info = core.block_info(block.block_id)
             if block.is_null:  # vLLM does not count the null block's references

@@ -1,16 +1,20 @@
-"""Which blocks each in-flight scheduler step wrote, per request, until its output arrives.
+"""Which blocks each in-flight scheduler step fills, per request, until its output arrives.
 
 Outputs come back in the order steps were scheduled (sync and async scheduling alike),
-so the ledger is a FIFO of steps; each step maps request id -> block ids it wrote. A
-request that is freed or preempted is forgotten from every in-flight step: the output
-that still arrives for it must validate nothing (its blocks were quarantined on release,
-and may already belong to someone else).
+so the ledger is a FIFO of steps. A step's record holds the requests it scheduled (the
+SchedulerOutput's own ``num_scheduled_tokens`` dict, not copied) and the blocks it
+*filled* per request: the full blocks vLLM caches while scheduling it. A block is
+validated by the step that fills it; a decode step writing into a partial block needs no
+bookkeeping at all (that block is validated by the step that fills it, or when its
+request ends cleanly). A request that is freed or preempted is dropped from every
+in-flight step: the output that still arrives for it must validate nothing (its blocks
+were quarantined on release, and may already belong to someone else).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 
@@ -18,7 +22,12 @@ from dataclasses import dataclass, field
 class StepRecord:
     token: object
     """The SchedulerOutput this step was scheduled as (matched by identity)."""
-    writes: dict[str, list[int]] = field(default_factory=dict)
+    scheduled: Mapping[str, int]
+    """Request id -> tokens scheduled in this step (vLLM's dict, read-only here)."""
+    fills: dict[str, list[int]] = field(default_factory=dict)
+    """Request id -> block ids this step fills (validated when its output is clean)."""
+    dropped: set[str] = field(default_factory=set)
+    """Requests freed or preempted while this step was in flight."""
 
 
 class StepLedger:
@@ -30,8 +39,10 @@ class StepLedger:
     def __len__(self) -> int:
         return len(self._steps)
 
-    def open(self, token: object) -> StepRecord:
-        record = StepRecord(token)
+    def open(
+        self, token: object, scheduled: Mapping[str, int], fills: dict[str, list[int]]
+    ) -> StepRecord:
+        record = StepRecord(token, scheduled, fills)
         self._steps.append(record)
         return record
 
@@ -42,13 +53,19 @@ class StepLedger:
             return self._steps.popleft()
         return None
 
-    def later_writes(self, request_id: str) -> Iterator[int]:
-        """Blocks the request's still-in-flight steps write, removing them (its abort)."""
+    def in_flight(self, request_id: str) -> bool:
+        """Whether a step scheduled with the request has not reported back yet."""
+        return any(request_id in record.scheduled for record in self._steps)
+
+    def later_fills(self, request_id: str) -> Iterator[int]:
+        """Blocks the request's still-in-flight steps fill, removing them (its abort)."""
         for record in self._steps:
-            ids = record.writes.pop(request_id, None)
+            ids = record.fills.pop(request_id, None)
             if ids:
                 yield from ids
 
     def forget(self, request_id: str) -> None:
         for record in self._steps:
-            record.writes.pop(request_id, None)
+            if request_id in record.scheduled or request_id in record.fills:
+                record.fills.pop(request_id, None)
+                record.dropped.add(request_id)

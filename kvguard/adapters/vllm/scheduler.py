@@ -65,39 +65,29 @@ class _GuardMixin:
         self.kvguard_pool = install_guarded_pool(self.kv_cache_manager, guard)
         self.kvguard_metrics = GuardMetrics()
         self._kvguard_ledger = StepLedger()
-        # Requests that had a step recorded since their blocks were (re)allocated.
-        self._kvguard_started: set[str] = set()
+        # Blocks filled without a step of their request (connector loads), waiting
+        # for the request's first step to vouch for them.
+        self._kvguard_carry: dict[str, list[int]] = {}
+        # Requests being finished because their step failed (never settled clean).
+        self._kvguard_failing: dict[str, int] = {}
 
     # ------------------------------------------------------------------ schedule
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        scheduler_output = super().schedule(*args, **kwargs)  # type: ignore[misc]
         pool = self.kvguard_pool
         if pool.core is None:
-            return scheduler_output
-        record = self._kvguard_ledger.open(scheduler_output)
-        managers = self.kv_cache_manager.coordinator.single_type_managers
-        requests = self.requests
-        started = self._kvguard_started
-        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            # _update_after_schedule already advanced num_computed_tokens past this step.
-            end = requests[req_id].num_computed_tokens
-            start = end - num_tokens
-            first = req_id not in started
-            ids: list[int] = []
-            for manager in managers:
-                blocks = manager.req_to_blocks.get(req_id)
-                if not blocks:
-                    continue
-                size = manager.block_size
-                # A request's first step also vouches for blocks filled without a step
-                # (KV loaded by a connector): their KV feeds this step's logits.
-                lo = 0 if first else start // size
-                ids += pool.writable_ids(blocks, lo, min(len(blocks), -(-end // size)))
-            started.add(req_id)
-            if ids:
-                pool.record_step(ids)
-            record.writes[req_id] = ids
+            return super().schedule(*args, **kwargs)  # type: ignore[misc]
+        pool.take_step_fills()  # fills outside schedule() (none expected) are dropped
+        scheduler_output = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        # The per-step cost is one record: blocks are marked WRITTEN when vLLM hands
+        # them out and filled blocks were noted by cache_full_blocks while scheduling.
+        fills = pool.take_step_fills()
+        scheduled = scheduler_output.num_scheduled_tokens
+        carry = self._kvguard_carry
+        if carry:
+            for req_id in [r for r in carry if r in scheduled]:
+                fills.setdefault(req_id, []).extend(carry.pop(req_id))
+        self._kvguard_ledger.open(scheduler_output, scheduled, fills)
         return scheduler_output
 
     def _get_new_block_ids_to_zero(self) -> list[int] | None:
@@ -119,38 +109,61 @@ class _GuardMixin:
             return super().update_from_output(  # type: ignore[misc]
                 scheduler_output, model_runner_output
             )
+        scheduled = record.scheduled
         nans = model_runner_output.num_nans_in_logits
-        if nans is None and record.writes:
-            raise GuardConfigError(
-                f"a step's output carries no NaN counts; set {NAN_SETTING}=1 for the workers"
-            )
+        if nans is None:
+            if scheduled:
+                raise GuardConfigError(
+                    f"a step's output carries no NaN counts; set {NAN_SETTING}=1 for the workers"
+                )
+            nans = {}
         metrics = self.kvguard_metrics
+        dropped = record.dropped
+        requests = self.requests
+        # One pass over the NaN counts (a dict comprehension, no per-request calls).
+        failed = {
+            r: c
+            for r, c in nans.items()
+            if c and r in scheduled and r not in dropped and r in requests
+        }
         suspect = self._kvguard_load_failures(model_runner_output.kv_connector_output, record)
-        failed: dict[str, int] = {}
-        for req_id, ids in record.writes.items():
-            count = nans.get(req_id) if nans is not None else 0
-            if count is None:
-                metrics.steps_unchecked += 1
-                count = 0
-            if count > 0:
-                failed[req_id] = count
-            elif req_id in suspect:
-                # Computed on KV that failed to load: vLLM recomputes or fails the
-                # request itself; what this step wrote is never trusted.
-                pool.fail_step([*ids, *self._kvguard_ledger.later_writes(req_id)])
-            else:
-                if ids:
-                    pool.validate_step(ids)
-                metrics.steps_validated += 1
+        if len(nans) < len(scheduled):
+            metrics.steps_unchecked += sum(1 for r in scheduled if r not in nans)
+        metrics.steps_validated += len(scheduled) - len(dropped) - len(failed)
+        fills = record.fills
+        if fills:
+            ids: list[int] = []
+            carry = self._kvguard_carry
+            for req_id, filled in fills.items():
+                if req_id in failed or req_id in suspect:
+                    continue
+                if req_id not in scheduled:
+                    # Filled without a step (KV a connector finished loading): the
+                    # request's first step computing on it vouches for it.
+                    carry.setdefault(req_id, []).extend(filled)
+                    continue
+                ids += filled
+            if ids:
+                pool.validate_step(ids)
+        ledger = self._kvguard_ledger
+        for req_id in suspect:
+            # Computed on KV that failed to load: vLLM recomputes or fails the request
+            # itself; what this step filled is never trusted.
+            pool.fail_step([*fills.get(req_id, ()), *ledger.later_fills(req_id)])
         aborted = []
         if failed:
             for req_id in failed:
-                pool.fail_step([*record.writes[req_id], *self._kvguard_ledger.later_writes(req_id)])
+                pool.fail_step([*fills.get(req_id, ()), *ledger.later_fills(req_id)])
             # Finished before vLLM sees the output: its tokens come from NaN logits and
-            # are not delivered; everything else in the batch proceeds as usual.
-            aborted = self.finish_requests(  # type: ignore[attr-defined]
-                failed, RequestStatus.FINISHED_ERROR
-            )
+            # are not delivered; everything else in the batch proceeds as usual. Their
+            # unvalidated blocks (the partial tail) are quarantined on release.
+            self._kvguard_failing = failed
+            try:
+                aborted = self.finish_requests(  # type: ignore[attr-defined]
+                    failed, RequestStatus.FINISHED_ERROR
+                )
+            finally:
+                self._kvguard_failing = {}
             metrics.requests_aborted += len(aborted)
         outputs = super().update_from_output(  # type: ignore[misc]
             scheduler_output, model_runner_output
@@ -178,7 +191,7 @@ class _GuardMixin:
         out = set(kv_connector_output.failed_recving or ())
         invalid = kv_connector_output.invalid_block_ids
         if invalid:
-            for req_id in record.writes:
+            for req_id in record.scheduled:
                 if req_id in self.requests:
                     groups = self.kv_cache_manager.get_block_ids(req_id)
                     if any(b in invalid for group in groups for b in group):
@@ -187,18 +200,36 @@ class _GuardMixin:
 
     # ------------------------------------------------------------------ release
 
-    def _kvguard_forget(self, request_id: str) -> None:
-        self._kvguard_ledger.forget(request_id)
-        self._kvguard_started.discard(request_id)
+    def _kvguard_settle(self, request: Any) -> None:
+        """The request leaves (finished or preempted) before its blocks are released.
+
+        With no step of it in flight and not failing, its last step was clean: the
+        blocks it wrote that no step filled (the partial tail) are validated, so the
+        release frees them plainly. Otherwise they stay WRITTEN and the release
+        quarantines them (zeroed before reuse). Every in-flight step forgets it.
+        """
+        req_id = request.request_id
+        pool = self.kvguard_pool
+        ledger = self._kvguard_ledger
+        self._kvguard_carry.pop(req_id, None)
+        if pool.core is None:
+            return
+        if req_id not in self._kvguard_failing and not ledger.in_flight(req_id):
+            pool.settle_tail(
+                manager.req_to_blocks.get(req_id, ())
+                for manager in self.kv_cache_manager.coordinator.single_type_managers
+            )
+        ledger.forget(req_id)
 
     def _free_request_blocks(self, request: Any) -> None:
-        # Preemption and finishing: in-flight steps of the request can never validate
-        # it any more; kvguard quarantines their blocks when they are released.
-        self._kvguard_forget(request.request_id)
+        # Preemption (finished requests were settled in _free_request, possibly long
+        # before a connector let their blocks go).
+        if not request.is_finished():
+            self._kvguard_settle(request)
         super()._free_request_blocks(request)  # type: ignore[misc]
 
     def _free_request(self, request: Any, delay_free_blocks: bool = False) -> Any:
-        self._kvguard_forget(request.request_id)
+        self._kvguard_settle(request)
         return super()._free_request(  # type: ignore[misc]
             request, delay_free_blocks=delay_free_blocks
         )

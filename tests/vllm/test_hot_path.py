@@ -1,0 +1,69 @@
+"""The guard's per-step cost model: blocks are WRITTEN from allocation until the step
+that fills them validates; decode steps into a partial block cost nothing; a clean
+finish validates the partial tail (no quarantine, no zeroing)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm")
+
+from kvguard import BlockState  # noqa: E402
+
+from .harness import (  # noqa: E402
+    BLOCK,
+    finish_reasons,
+    make_request,
+    make_scheduler,
+    model_output,
+    step,
+)
+
+
+def _states(s: Any, req_id: str) -> list[BlockState]:
+    core = s.kvguard_pool.core
+    (ids,) = s.kv_cache_manager.get_block_ids(req_id)
+    return [core.block_state(b) for b in ids]
+
+
+def test_decode_steps_leave_the_partial_block_written_until_it_fills() -> None:
+    s = make_scheduler()
+    s.add_request(make_request("a", list(range(100, 100 + BLOCK + 3)), max_tokens=40))
+    step(s)  # prefill: one full block (validated, published) and a partial one
+    assert _states(s, "a") == [BlockState.PUBLISHED, BlockState.WRITTEN]
+    core = s.kvguard_pool.core
+    before = core.stats().counters
+    for _ in range(BLOCK - 4):  # decode, the partial block not yet full
+        step(s)
+        assert _states(s, "a") == [BlockState.PUBLISHED, BlockState.WRITTEN]
+    assert core.stats().counters == before, "a decode step changed kvguard's pool"
+    step(s)  # this step fills block 1 ...
+    step(s)  # ... whose validation published it; block 2 is the new tail
+    assert _states(s, "a")[:2] == [BlockState.PUBLISHED, BlockState.PUBLISHED]
+    assert _states(s, "a")[2] is BlockState.WRITTEN
+    s.kvguard_pool.check_mirror()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_clean_finish_frees_the_tail_without_quarantine(async_scheduling: bool) -> None:
+    s = make_scheduler(async_scheduling=async_scheduling)
+    s.add_request(make_request("a", list(range(100, 100 + BLOCK + 3)), max_tokens=3))
+    reasons: dict[str, str] = {}
+    pending = []
+    while "a" not in reasons:
+        pending.append(s.schedule())
+        if not async_scheduling or len(pending) == 2:
+            so = pending.pop(0)
+            reasons.update(finish_reasons(s.update_from_output(so, model_output(s, so))))
+    for so in pending:
+        s.update_from_output(so, model_output(s, so))
+    core = s.kvguard_pool.core
+    quarantined = core.stats().counters.blocks_quarantined
+    # The last step was clean and none of a's steps is in flight (vLLM's async
+    # scheduler schedules no step past max_tokens), so the tail is freed as validated.
+    assert quarantined == 0
+    assert core.stats().blocks_by_state[BlockState.PUBLISHED] == 1
+    s.kvguard_pool.check_mirror()
