@@ -37,15 +37,14 @@ init_none_hash(sha256)
 _HASHER = get_request_block_hasher(BLOCK, sha256)
 
 
-def make_scheduler(
+def make_vllm_config(
     *,
-    guarded: bool = True,
     async_scheduling: bool = False,
     num_blocks: int = 64,
     max_num_batched_tokens: int = 64,
     max_num_seqs: int = 16,
     kvguard: Mapping[str, Any] | None = None,
-) -> Any:
+) -> VllmConfig:
     sched_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
@@ -58,11 +57,29 @@ def make_scheduler(
     cache_config = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
     cache_config.num_gpu_blocks = num_blocks
     additional = {"kvguard": dict(kvguard or {"check_invariants": True})}
-    vllm_config = VllmConfig(
+    return VllmConfig(
         scheduler_config=sched_config,
         model_config=model_config,
         cache_config=cache_config,
         additional_config=additional,
+    )
+
+
+def make_scheduler(
+    *,
+    guarded: bool = True,
+    async_scheduling: bool = False,
+    num_blocks: int = 64,
+    max_num_batched_tokens: int = 64,
+    max_num_seqs: int = 16,
+    kvguard: Mapping[str, Any] | None = None,
+) -> Any:
+    vllm_config = make_vllm_config(
+        async_scheduling=async_scheduling,
+        num_blocks=num_blocks,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        kvguard=kvguard,
     )
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks,

@@ -1,14 +1,27 @@
-"""What the guard did, as cumulative counters (kvguard's own collector).
+"""What the guard did, as cumulative counters, and their Prometheus export.
 
-``GuardMetrics.snapshot()`` merges the adapter's counters with the pool's; the
-scheduler also logs them through vLLM's logger. Prometheus export goes through
-:func:`kvguard.adapters.vllm.metrics.register_prometheus` when ``prometheus_client``
-is installed (vLLM depends on it).
+``scheduler.kvguard_stats()`` merges the adapter's counters (:class:`GuardMetrics`) with
+the pool's. When ``prometheus_client`` is installed (vLLM depends on it), each guarded
+scheduler registers itself with :func:`register_prometheus`: one collector on
+``prometheus_client.REGISTRY`` -- the registry vLLM's ``/metrics`` endpoint serves --
+exports every live guarded scheduler (label ``kvguard_scheduler``), read at scrape time:
+
+* ``kvguard_vllm_requests_aborted_total`` and the other :class:`GuardMetrics` counters;
+* kvguard's pool metrics (:class:`kvguard.prometheus.PoolCollector`): blocks per state,
+  ``kvguard_blocks_quarantined_total``, ``kvguard_blocks_zeroed_total``,
+  ``kvguard_withheld_publications_total``, ``kvguard_dropped_acks_total``, ...
 """
 
 from __future__ import annotations
 
+import itertools
+import threading
+import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
+
+LABEL = "kvguard_scheduler"
 
 
 @dataclass(slots=True)
@@ -16,17 +29,69 @@ class GuardMetrics:
     requests_aborted: int = 0
     """Requests finished with FINISHED_ERROR because a step's logits had NaN."""
     steps_validated: int = 0
+    """Per-request step results that validated (clean NaN count)."""
     steps_unchecked: int = 0
     """Per-request step results without a NaN count (counted as clean)."""
-    blocks_quarantined: int = 0
     blocks_zeroed: int = 0
     """Block ids handed to the worker through ``new_block_ids_to_zero``."""
-    withheld_publications: int = 0
-    """Full blocks vLLM would have cached at schedule time, published only once validated."""
-    dropped_acks: int = 0
-    """Offload store acknowledgements for blocks quarantined or reused meanwhile."""
-    stores_refused: int = 0
-    """Blocks an offload store job named that were not validated (left out of the job)."""
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}
+
+
+_HELP = {
+    "requests_aborted": "Requests finished with an error because a step's logits had NaN",
+    "steps_validated": "Per-request steps whose logits were NaN-free",
+    "steps_unchecked": "Per-request steps without a NaN count (counted as clean)",
+    "blocks_zeroed": "Block ids sent to the workers in new_block_ids_to_zero",
+}
+
+_lock = threading.Lock()
+_live: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+_ids = itertools.count()
+_registered = False
+
+
+class _GuardCollector:
+    """Every live guarded scheduler's counters, one sample per scheduler."""
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily
+
+        from kvguard.prometheus import PoolCollector
+
+        live = sorted(_live.items())
+        for name in GuardMetrics.__slots__:
+            counter = CounterMetricFamily(f"kvguard_vllm_{name}", _HELP[name], labels=[LABEL])
+            for key, scheduler in live:
+                counter.add_metric([key], getattr(scheduler.kvguard_metrics, name))
+            yield counter
+        merged: dict[str, Any] = {}
+        for key, scheduler in live:
+            core = scheduler.kvguard_pool.core
+            if core is None:
+                continue
+            family: Any
+            for family in PoolCollector(core, labels={LABEL: key}).collect():
+                if family.name in merged:
+                    merged[family.name].samples.extend(family.samples)
+                else:
+                    merged[family.name] = family
+        yield from merged.values()
+
+
+def register_prometheus(scheduler: Any) -> str | None:
+    """Export ``scheduler``'s counters on prometheus_client's default registry; returns
+    its label value, or None when prometheus_client is not installed."""
+    global _registered
+    try:
+        from prometheus_client import REGISTRY
+    except ImportError:  # pragma: no cover - vLLM depends on prometheus_client
+        return None
+    with _lock:
+        key = str(next(_ids))
+        _live[key] = scheduler
+        if not _registered:
+            REGISTRY.register(_GuardCollector())
+            _registered = True
+    return key

@@ -18,8 +18,10 @@ What changes against vLLM (everything else is vLLM's own code path):
   only then. Requests freed or preempted before their output arrived are forgotten:
   their unvalidated blocks are quarantined on release.
 * ``new_block_ids_to_zero`` carries kvguard's zero queue (quarantined blocks being
-  reused, or every new block under ``zero_policy=all``), whatever vLLM's
-  ``needs_kv_cache_zeroing`` says.
+  reused, or every new block under ``zero_policy=all``) instead of vLLM's "every new
+  block" list. Workers apply it only when ``KVCacheConfig.needs_kv_cache_zeroing`` is
+  true: the plugin (``KVGUARD_GUARD=1``, :mod:`kvguard.adapters.vllm.plugin`) makes it
+  so; without it the scheduler logs a warning.
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ from __future__ import annotations
 from typing import Any
 
 from kvguard.adapters.vllm._compat import require_supported_vllm
+from kvguard.zeroing import ZeroPolicy
 
 require_supported_vllm()
 
 import vllm.envs as envs  # noqa: E402
+from vllm.logger import init_logger  # noqa: E402
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs  # noqa: E402
@@ -39,7 +43,10 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 from .config import GuardConfig, GuardConfigError  # noqa: E402
 from .ledger import StepLedger  # noqa: E402
 from .manager import install_guarded_pool  # noqa: E402
-from .metrics import GuardMetrics  # noqa: E402
+from .metrics import GuardMetrics, register_prometheus  # noqa: E402
+from .plugin import stock_needs_zeroing  # noqa: E402
+
+logger = init_logger(__name__)
 
 NAN_SETTING = "VLLM_COMPUTE_NANS_IN_LOGITS"
 
@@ -49,6 +56,7 @@ class _GuardMixin:
 
     # Attributes of vLLM's Scheduler this mixin reads (typed loosely: vLLM is untyped).
     kv_cache_manager: Any
+    kv_cache_config: Any
     requests: dict[str, Any]
     vllm_config: Any
 
@@ -63,13 +71,35 @@ class _GuardMixin:
                 "scheduler in pass-through mode."
             )
         self.kvguard_pool = install_guarded_pool(self.kv_cache_manager, guard)
+        if guard.enabled:
+            self._kvguard_setup_zeroing(self.kv_cache_config)
         self.kvguard_metrics = GuardMetrics()
+        self.kvguard_metrics_label = register_prometheus(self) if guard.enabled else None
         self._kvguard_ledger = StepLedger()
         # Blocks filled without a step of their request (connector loads), waiting
         # for the request's first step to vouch for them.
         self._kvguard_carry: dict[str, list[int]] = {}
         # Requests being finished because their step failed (never settled clean).
         self._kvguard_failing: dict[str, int] = {}
+
+    def _kvguard_setup_zeroing(self, kv_cache_config: Any) -> None:
+        """Only kvguard's zero queue goes to the worker, unless vLLM needs its own."""
+        if not stock_needs_zeroing(kv_cache_config):
+            # The plugin made needs_kv_cache_zeroing true so that workers build their
+            # zeroer; vLLM would then zero every new block. Keep that to kvguard's
+            # policy (quarantined blocks under "suspect").
+            for manager in self.kv_cache_manager.coordinator.single_type_managers:
+                manager._record_new_block_ids = False
+                manager.new_block_ids.clear()
+        if not kv_cache_config.needs_kv_cache_zeroing and (
+            self.kvguard_pool.guard.zero_policy is not ZeroPolicy.NONE
+        ):
+            logger.warning(
+                "kvguard: KVCacheConfig.needs_kv_cache_zeroing is false, so vLLM's workers "
+                "do not build their block zeroer and quarantined blocks are reused "
+                "unwiped. Start vLLM with KVGUARD_GUARD=1 (kvguard's vLLM plugin) to "
+                "turn worker-side zeroing on."
+            )
 
     # ------------------------------------------------------------------ schedule
 
@@ -246,6 +276,7 @@ class _GuardMixin:
             out["withheld_publications"] = counters.withheld_publications
             out["dropped_acks"] = counters.dropped_acks
             out["blocks_published"] = counters.blocks_published
+            out["stores_started"] = counters.stores_started
         return out
 
 

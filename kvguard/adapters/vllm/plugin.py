@@ -1,0 +1,104 @@
+"""vLLM plugin (``vllm.general_plugins`` entry point ``kvguard``): the guard with no code change.
+
+vLLM runs :func:`register` in every process it starts (engine core, each worker). It
+does nothing unless ``KVGUARD_GUARD=1`` is set explicitly; then, in that process:
+
+* refuses an unsupported vLLM with :class:`UnsupportedVllmError` (clear message);
+* turns vLLM's per-request NaN counting on (``VLLM_COMPUTE_NANS_IN_LOGITS=1``, inherited
+  by workers started later), or refuses if it was switched off explicitly;
+* makes ``KVCacheConfig.needs_kv_cache_zeroing`` true -- the one place vLLM decides it,
+  read by the scheduler *and* by each worker, which builds its block zeroer only then.
+  Without it the V1 model runner silently skips ``new_block_ids_to_zero`` (V2 asserts),
+  and quarantined blocks would be reused unwiped. The guarded scheduler keeps vLLM from
+  zeroing *every* new block in return (only kvguard's zero queue is sent), unless the
+  model needs vLLM's own zeroing (Mamba, mixed-precision caches);
+* selects the guarded scheduler when none was chosen (``--scheduler-cls`` unset):
+  ``GuardedAsyncScheduler`` with async scheduling, else ``GuardedScheduler``.
+
+Idempotent: vLLM may load plugins several times per process.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from kvguard.adapters.vllm._compat import require_supported_vllm
+from kvguard.adapters.vllm.config import GuardConfigError
+
+GUARD_ENV = "KVGUARD_GUARD"
+NAN_SETTING = "VLLM_COMPUTE_NANS_IN_LOGITS"
+_ON = ("1", "true", "yes", "on")
+_MARK = "_kvguard_plugin"
+
+
+def requested(environ: Any = os.environ) -> bool:
+    """Whether the plugin was asked to switch the guard on (explicit ``KVGUARD_GUARD=1``)."""
+    return str(environ.get(GUARD_ENV, "")).strip().lower() in _ON
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point."""
+    if not requested():
+        return
+    require_supported_vllm()
+    nan = os.environ.get(NAN_SETTING)
+    if nan is None:
+        os.environ[NAN_SETTING] = "1"
+    elif nan.strip().lower() not in _ON:
+        raise GuardConfigError(
+            f"{GUARD_ENV}=1 validates each step by vLLM's per-request NaN logit counts, but "
+            f"{NAN_SETTING}={nan!r} switches them off; unset it or set it to 1"
+        )
+    _patch_zeroing()
+    _patch_scheduler_cls()
+
+
+def _patch_zeroing() -> None:
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    current = KVCacheConfig.__dict__["needs_kv_cache_zeroing"]
+    if getattr(current.fget, _MARK, False):
+        return
+    stock = current.fget
+
+    def needs_kv_cache_zeroing(self: Any) -> bool:
+        # kvguard's scheduler sends quarantined blocks in new_block_ids_to_zero;
+        # the worker must build its zeroer to apply them.
+        return True
+
+    setattr(needs_kv_cache_zeroing, _MARK, True)
+    needs_kv_cache_zeroing.__wrapped__ = stock  # type: ignore[attr-defined]
+    needs_kv_cache_zeroing.__doc__ = stock.__doc__
+    KVCacheConfig.needs_kv_cache_zeroing = property(needs_kv_cache_zeroing)
+
+
+def stock_needs_zeroing(kv_cache_config: Any) -> bool:
+    """What vLLM itself decides for ``kv_cache_config`` (the plugin's patch undone)."""
+    prop = type(kv_cache_config).__dict__.get("needs_kv_cache_zeroing")
+    fget = getattr(prop, "fget", None)
+    if fget is None:
+        return bool(kv_cache_config.needs_kv_cache_zeroing)
+    return bool(getattr(fget, "__wrapped__", fget)(kv_cache_config))
+
+
+def _patch_scheduler_cls() -> None:
+    from vllm.config.scheduler import SchedulerConfig
+
+    current = SchedulerConfig.get_scheduler_cls
+    if getattr(current, _MARK, False):
+        return
+
+    def get_scheduler_cls(self: Any) -> Any:
+        if self.scheduler_cls is None:
+            from kvguard.adapters.vllm.scheduler import (
+                GuardedAsyncScheduler,
+                GuardedScheduler,
+            )
+
+            return GuardedAsyncScheduler if self.async_scheduling else GuardedScheduler
+        return current(self)
+
+    setattr(get_scheduler_cls, _MARK, True)
+    get_scheduler_cls.__wrapped__ = current  # type: ignore[attr-defined]
+    SchedulerConfig.get_scheduler_cls = get_scheduler_cls
