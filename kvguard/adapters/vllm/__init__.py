@@ -1,10 +1,10 @@
 """kvguard inside vLLM (0.33.x): the pool under ``KVCacheManager``, guarded schedulers.
 
 Importing this package checks the installed vLLM version and imports vLLM; ``import
-kvguard`` alone never does. Turn the guard on with no code change::
+kvguard`` alone never does. Turn the guard on with no code change (the
+``vllm.general_plugins`` entry point, :mod:`kvguard.adapters.vllm.plugin`)::
 
-    VLLM_COMPUTE_NANS_IN_LOGITS=1 vllm serve MODEL \\
-        --scheduler-cls kvguard.adapters.vllm.scheduler.GuardedAsyncScheduler
+    KVGUARD_GUARD=1 vllm serve MODEL
 
 See docs/vllm.md.
 """
