@@ -7,16 +7,17 @@ Select with ``SchedulerConfig.scheduler_cls`` (``--scheduler-cls``)::
 
 What changes against vLLM (everything else is vLLM's own code path):
 
-* ``schedule``: after vLLM scheduled the step, the blocks each request's step writes
-  are recorded as WRITTEN (kvguard). Full blocks vLLM caches now are only *marked* for
-  publication.
+* ``schedule``: blocks vLLM hands out are WRITTEN (kvguard) from then on; full blocks
+  vLLM caches while scheduling the step are only *marked* for publication and noted
+  as filled by this step (one ledger record per step, no per-request work).
 * ``update_from_output``: before vLLM processes the output, every request whose row
   in ``num_nans_in_logits`` is non-zero is finished with ``FINISHED_ERROR`` (its
   client sees finish reason ``"error"``, its NaN-derived tokens are never delivered)
-  and the blocks its in-flight steps wrote are QUARANTINED; every other request's
-  blocks are validated, and the blocks marked for publication enter the prefix cache
-  only then. Requests freed or preempted before their output arrived are forgotten:
-  their unvalidated blocks are quarantined on release.
+  and the blocks its in-flight steps filled are QUARANTINED (its partial tail on
+  release); the blocks the other requests' steps filled are validated in one call,
+  and enter the prefix cache only then. A request ending with no step in flight after
+  a clean step has its partial tail validated; one freed or preempted with a step in
+  flight is forgotten, and its unvalidated blocks are quarantined on release.
 * ``new_block_ids_to_zero`` carries kvguard's zero queue (quarantined blocks being
   reused, or every new block under ``zero_policy=all``) instead of vLLM's "every new
   block" list. Workers apply it only when ``KVCacheConfig.needs_kv_cache_zeroing`` is
