@@ -98,6 +98,32 @@ class FreeQueue:
         ids.reverse()
         return ids
 
+    def take(self, n: int) -> tuple[list[int], list[int], list[int]]:
+        """The next ``n`` ids in :meth:`pop` order, split into (quarantined, empty,
+        evicted); the caller checked ``n <= len(self)``."""
+        quarantined = self._quarantined
+        k = min(n, len(quarantined))
+        taken_q = quarantined[len(quarantined) - k :]
+        del quarantined[len(quarantined) - k :]
+        taken_q.reverse()
+        empty = self._empty
+        k = min(n - len(taken_q), len(empty))
+        taken_e = empty[len(empty) - k :]
+        del empty[len(empty) - k :]
+        taken_e.reverse()
+        left = n - len(taken_q) - len(taken_e)
+        evicted: list[int] = []
+        evictable = self._evictable
+        while left:
+            retention, bucket = evictable.peekitem(0)
+            while left and bucket:
+                evicted.append(bucket.popitem(last=False)[0])
+                left -= 1
+            if not bucket:
+                del evictable[retention]
+        self._num_evictable -= len(evicted)
+        return taken_q, taken_e, evicted
+
     def remove_evictable(self, block: Block) -> None:
         """Take a cached block out of the queue (a prefix hit, or an invalidation)."""
         bucket = self._evictable[block.retention]

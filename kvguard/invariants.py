@@ -31,14 +31,6 @@ def check_pool(pool: BlockPool) -> None:
     size = pool.block_size
     blocks = pool._blocks
 
-    # Rule 4: the per-state counters add up and match a recount.
-    recount = Counter(block.state for block in blocks)
-    for state in BlockState:
-        if pool._counts[state] != recount[state]:
-            add(f"state count {state.name}: counter {pool._counts[state]}, found {recount[state]}")
-    if sum(pool._counts.values()) != pool.num_blocks:
-        add(f"state counts sum to {sum(pool._counts.values())}, not {pool.num_blocks}")
-
     # Rule 4: reference counts are exactly the table entries plus block-level holders.
     table_refs: Counter[int] = Counter()
     for rid, rec in pool._requests.items():
@@ -152,7 +144,7 @@ def check_pool(pool: BlockPool) -> None:
         raise InvariantViolation(
             "kvguard pool invariants broken:\n  - "
             + "\n  - ".join(problems)
-            + f"\nstate counts: { {s.name: n for s, n in pool._counts.items()} }"
+            + f"\nstate counts: { {s.name: n for s, n in pool._blocks_by_state().items()} }"
             + f"\nfree queue: quarantined={quarantined} empty={empty} evictable={evictable}"
         )
 

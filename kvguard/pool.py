@@ -26,7 +26,7 @@ import dataclasses
 import functools
 import os
 from array import array
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -190,8 +190,6 @@ class BlockPool:
         self.zero_policy = zero_policy
         self._hasher = hasher
         self._blocks = [Block(i) for i in range(num_blocks)]
-        self._counts: dict[BlockState, int] = dict.fromkeys(BlockState, 0)
-        self._counts[_FREE] = num_blocks
         self._free = FreeQueue()
         self._free.push_all_empty(list(range(num_blocks)))
         self._index: dict[BlockHash, int] = {}
@@ -222,9 +220,6 @@ class BlockPool:
         new = _NEXT[block.state].get(event)
         if new is None:
             raise IllegalTransitionError(block.block_id, block.state, event)
-        counts = self._counts
-        counts[block.state] -= 1
-        counts[new] += 1
         block.state = new
 
     def _quarantine(self, block: Block, event: BlockEvent) -> None:
@@ -441,75 +436,58 @@ class BlockPool:
 
     def _take_free(self, n: int, external_refs: int = 0) -> list[int]:
         """Pop ``n`` blocks and hand them out, or raise :class:`OutOfBlocksError`
-        having taken none. ``external_refs`` is 1 for block-level holders."""
+        having taken none. ``external_refs`` is 1 for block-level holders.
+
+        Quarantined blocks go first (queued for zeroing under the ``suspect`` policy),
+        then empty ones, then cached ones in eviction order (their hashes leave the
+        index; one ``BlockRemoved`` event for the batch).
+        """
         if n <= 0:
             return []
         free = self._free
         ids = free.take_empty(n)
-        if ids is not None:
-            # Fast path: only FREE blocks (no quarantine, no eviction) -- FREE
-            # --ALLOCATE--> ALLOCATED for all of them, counted once.
-            blocks = self._blocks
-            for block_id in ids:
-                block = blocks[block_id]
-                block.state = _ALLOCATED
-                block.ref_cnt = 1
-                block.external_refs = external_refs
-                block.generation += 1
-            counts = self._counts
-            counts[_FREE] -= n
-            counts[_ALLOCATED] += n
-            if self.zero_policy is ZeroPolicy.ALL:
-                for block_id in ids:
+        if ids is None:
+            if n > len(free):
+                raise OutOfBlocksError(n, len(free))
+            quarantined, empty, evicted = free.take(n)
+            if quarantined and self.zero_policy is ZeroPolicy.SUSPECT:
+                for block_id in quarantined:
                     self._zero.add_block(block_id)
-                self._counters.blocks_zeroed += n
-            return ids
+                self._counters.blocks_zeroed += len(quarantined)
+            if evicted:
+                self._evict(evicted)
+            ids = quarantined + empty + evicted
+        # FREE/QUARANTINED --ALLOCATE--> ALLOCATED for every one of them, inlined (the
+        # import-time check below the table views guarantees the table agrees).
         blocks = self._blocks
-        policy = self.zero_policy
-        zero = self._zero
-        counts = self._counts
-        if n > len(free):
-            raise OutOfBlocksError(n, len(free))
-        out: list[int] = []
-        evicted_ids: list[int] = []
-        evicted_hashes: list[BlockHash] = []
-        for _ in range(n):
-            block_id = free.pop()
+        for block_id in ids:
             block = blocks[block_id]
-            state = block.state
-            if state is _FREE:
-                counts[_FREE] -= 1
-            elif state is _QUARANTINED:
-                counts[_QUARANTINED] -= 1
-                if policy is ZeroPolicy.SUSPECT:
-                    zero.add_block(block_id)
-                    self._counters.blocks_zeroed += 1
-            else:
-                # An evictable cached block: drop it from the index first.
-                self._move(block, _EVICT)
-                block_hash = block.block_hash
-                assert block_hash is not None, f"cached block {block_id} has no hash"
-                del self._index[block_hash]
-                evicted_ids.append(block_id)
-                evicted_hashes.append(block_hash)
-                block.block_hash = None
-                block.parent_hash = None
-                counts[_FREE] -= 1
-            # FREE/QUARANTINED --ALLOCATE--> ALLOCATED, inlined for the hot path
-            # (both rows of TRANSITIONS map ALLOCATE to ALLOCATED).
             block.state = _ALLOCATED
-            counts[_ALLOCATED] += 1
             block.ref_cnt = 1
             block.external_refs = external_refs
             block.generation += 1
-            if policy is ZeroPolicy.ALL:
-                zero.add_block(block_id)
-                self._counters.blocks_zeroed += 1
-            out.append(block_id)
-        if evicted_ids:
-            self._counters.blocks_evicted += len(evicted_ids)
-            self._events.append(BlockRemoved(tuple(evicted_hashes), tuple(evicted_ids)))
-        return out
+        if self.zero_policy is ZeroPolicy.ALL:
+            for block_id in ids:
+                self._zero.add_block(block_id)
+            self._counters.blocks_zeroed += n
+        return ids
+
+    def _evict(self, block_ids: list[int]) -> None:
+        """Reclaim cached blocks the free queue gave up: EVICT, and drop their hashes."""
+        blocks = self._blocks
+        index = self._index
+        hashes: list[BlockHash] = []
+        for block_id in block_ids:
+            block = blocks[block_id]
+            self._move(block, _EVICT)
+            block_hash = block.block_hash
+            assert block_hash is not None, f"cached block {block_id} has no hash"
+            del index[block_hash]
+            hashes.append(block_hash)
+            block.block_hash = None
+            block.parent_hash = None
+        self._counters.blocks_evicted += len(block_ids)
+        self._events.append(BlockRemoved(tuple(hashes), tuple(block_ids)))
 
     def write(self, request_id: str, num_tokens: int) -> TokenRange:
         """Record that a scheduled step writes the request's next ``num_tokens`` tokens.
@@ -534,7 +512,6 @@ class BlockPool:
         table = rec.blocks
         first = start // size
         last = (end - 1) // size
-        counts = self._counts
         for i in range(first, last + 1):
             block = blocks[table[i]]
             state = block.state
@@ -543,8 +520,6 @@ class BlockPool:
                 new = _WRITE_TO.get(state)
                 if new is None:
                     raise IllegalTransitionError(block.block_id, state, _WRITE)
-                counts[state] -= 1
-                counts[new] += 1
                 block.state = new
         if self.enable_caching:
             # Blocks this step fills: vLLM 0.33 would publish them now, unvalidated.
@@ -572,16 +547,11 @@ class BlockPool:
         written = rec.num_written
         blocks = self._blocks
         table = rec.blocks
-        counts = self._counts
-        validated = 0
         for i in range(start // size, (end - 1) // size + 1):
             block = blocks[table[i]]
             # Only blocks none of whose written tokens is still in flight.
             if block.state is _WRITTEN and min((i + 1) * size, written) <= end:
                 block.state = _VALIDATE_FROM_WRITTEN  # _move(block, VALIDATE), inlined
-                validated += 1
-        counts[_WRITTEN] -= validated
-        counts[_VALIDATE_FROM_WRITTEN] += validated
         self._counters.steps_validated += 1
         published = self._publish_ready(rec)
         return StepResult(
@@ -623,8 +593,6 @@ class BlockPool:
         if not published_ids:
             return ()
         n = len(published_ids)
-        self._counts[_VALIDATED] -= n
-        self._counts[_PUBLISH_FROM_VALIDATED] += n
         self._counters.blocks_published += n
         ids = tuple(published_ids)
         self._events.append(BlockStored(rec.request_id, tuple(published_hashes), ids, first_parent))
@@ -710,7 +678,6 @@ class BlockPool:
         Unvalidated (WRITTEN) blocks are quarantined: their step can never be
         validated. ``retention`` (a request's) sets the eviction class of cached ones.
         """
-        counts = self._counts
         free = self._free
         empty: list[int] = []
         cached: list[Block] = []
@@ -725,10 +692,7 @@ class BlockPool:
             new = _RELEASE_TO.get(state)
             if new is None:
                 raise IllegalTransitionError(block.block_id, state, _RELEASE)
-            if new is not state:
-                counts[state] -= 1
-                counts[new] += 1
-                block.state = new
+            block.state = new
             if new is _FREE:
                 block.block_hash = None
                 block.parent_hash = None
@@ -927,9 +891,6 @@ class BlockPool:
             else:
                 released.append(block)
         if empty:
-            counts = self._counts
-            counts[_ALLOCATED] -= len(empty)
-            counts[_FREE] += len(empty)
             self._free.push_empty(empty)
         if released:
             self._drop_last_refs(released, None)
@@ -982,14 +943,11 @@ class BlockPool:
                     raise IllegalTransitionError(block_id, state, _WRITE)
             checked.append(block)
         if fast and len(set(ids)) == len(ids):
-            # ALLOCATED --WRITE--> WRITTEN for all of them, counted once (an
+            # ALLOCATED --WRITE--> WRITTEN for all of them, inlined (an
             # ALLOCATED block carries no hash).
             for block in checked:
                 block.state = _WRITTEN_FROM_ALLOCATED
                 block.writers = 1
-            counts = self._counts
-            counts[_ALLOCATED] -= len(checked)
-            counts[_WRITTEN_FROM_ALLOCATED] += len(checked)
             return
         for block in checked:
             if block.state is not _WRITTEN:
@@ -1033,24 +991,16 @@ class BlockPool:
             block.writers -= 1
             if block.writers:
                 continue
-            # WRITTEN --VALIDATE--> VALIDATED, counted once below.
+            # WRITTEN --VALIDATE--> VALIDATED, inlined.
             block.state = _VALIDATE_FROM_WRITTEN
             validated.append(block_id)
             pending = block.pending_publication
             if pending is not None:
                 block.pending_publication = None
-                if self._publish_validated(block, *pending):
+                if self._publish_one(block, *pending):
                     published.append(block_id)
                 else:
                     duplicates.append(block_id)
-        if validated:
-            counts = self._counts
-            counts[_WRITTEN] -= len(validated)
-            counts[_VALIDATE_FROM_WRITTEN] += len(validated)
-            if published:
-                counts[_VALIDATE_FROM_WRITTEN] -= len(published)
-                counts[_PUBLISH_FROM_VALIDATED] += len(published)
-                self._counters.blocks_published += len(published)
         return BlockValidation(tuple(validated), tuple(published), tuple(duplicates))
 
     @staticmethod
@@ -1059,22 +1009,6 @@ class BlockPool:
             f"block {block.block_id} is {block.state.name} with {block.writers} step(s) "
             f"in flight, cannot validate {n}; was it released or failed meanwhile?"
         )
-
-    def _publish_validated(
-        self, block: Block, block_hash: BlockHash, parent_hash: BlockHash | None, owner: str
-    ) -> bool:
-        """:meth:`_publish_one` for :meth:`validate_blocks`, which counts the state
-        change and ``blocks_published`` for the whole batch (VALIDATED --PUBLISH-->
-        PUBLISHED, inlined)."""
-        block.block_hash = block_hash
-        block.parent_hash = parent_hash
-        index = self._index
-        if block_hash in index:
-            return False
-        block.state = _PUBLISH_FROM_VALIDATED
-        index[block_hash] = block.block_id
-        self._events.append(BlockStored(owner, (block_hash,), (block.block_id,), parent_hash))
-        return True
 
     def fail_blocks(self, block_ids: Iterable[int]) -> tuple[int, ...]:
         """A step that wrote these blocks failed (or can never be validated).
@@ -1326,7 +1260,7 @@ class BlockPool:
         return PoolStats(
             num_blocks=self.num_blocks,
             block_size=self.block_size,
-            blocks_by_state=dict(self._counts),
+            blocks_by_state=self._blocks_by_state(),
             num_free=len(self._free),
             num_evictable=self._free.num_evictable,
             num_requests=len(self._requests),
@@ -1335,6 +1269,14 @@ class BlockPool:
             stores_in_flight=len(self._tiers.tickets),
             counters=dataclasses.replace(self._counters),
         )
+
+    def _blocks_by_state(self) -> dict[BlockState, int]:
+        """Counted by walking the blocks: O(num_blocks), paid by stats() callers only,
+        so that no transition on the hot paths has to keep a tally."""
+        counts = dict.fromkeys(BlockState, 0)
+        for state, n in Counter(block.state for block in self._blocks).items():
+            counts[state] = n
+        return counts
 
     def check_invariants(self) -> None:
         """Walk the whole pool; raise :class:`InvariantViolation` describing what broke."""

@@ -31,12 +31,10 @@ def test_grid(state: BlockState, event: BlockEvent) -> None:
     """Every (state, event) either follows the table or raises, changing nothing."""
     pool = BlockPool(2, 4)
     block = pool._blocks[0]
-    # Put block 0 into ``state`` behind the pool's back, keeping the counters in step,
-    # then drive the pool's single writer of states.
-    pool._counts[BlockState.FREE] -= 1
-    pool._counts[state] += 1
+    # Put block 0 into ``state`` behind the pool's back, then drive the pool's single
+    # writer of states.
     block.state = state
-    counts = dict(pool._counts)
+    before = pool.snapshot()
     expected = TRANSITIONS[state].get(event)
     if expected is None:
         with pytest.raises(IllegalTransitionError) as info:
@@ -44,13 +42,13 @@ def test_grid(state: BlockState, event: BlockEvent) -> None:
         assert (info.value.block_id, info.value.state, info.value.event) == (0, state, event)
         assert state.name in str(info.value) and event.name in str(info.value)
         assert block.state is state
-        assert pool._counts == counts
+        assert pool.snapshot() == before
         with pytest.raises(IllegalTransitionError):
             next_state(0, state, event)
     else:
         pool._move(block, event)
         assert block.state is expected is next_state(0, state, event)
-        assert pool._counts[expected] == counts[expected] + (expected is not state)
+        assert pool.stats().blocks_by_state[expected] == 1 + (expected is BlockState.FREE)
 
 
 def test_safety_rows_of_the_table() -> None:
