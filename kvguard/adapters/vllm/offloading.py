@@ -1,0 +1,352 @@
+"""``GuardedOffloadingConnector``: vLLM's ``OffloadingConnector`` behind kvguard's tier gate.
+
+vLLM's connector picks its store jobs while a step is being *scheduled*
+(``_build_store_jobs``), from ``num_computed_tokens + num_scheduled_tokens``: the step
+being scheduled has not run yet, so stock vLLM copies KV to the CPU tier before anyone
+knows whether it is finite (and, at a request's end, up to ``num_tokens - 1`` even if
+the request failed). This subclass changes the scheduler side only; workers run vLLM's
+code unchanged.
+
+* **Store jobs cover validated blocks only.** Before vLLM builds the step's store jobs,
+  the offloadable range of each request is clamped to its leading blocks that kvguard
+  holds as VALIDATED/PUBLISHED/OFFLOADED *with this request's hash at that position*;
+  vLLM's chunk pointer stops there, so a chunk is offered again at the first step
+  after the step that filled it validated. A quarantined or still-unchecked chunk is
+  never offered, not even when its request finishes.
+* **One ``StoreTicket`` per source block** (``BlockPool.begin_store``) for every job
+  vLLM builds; a job with a block the core refuses is cancelled (never reaches a
+  worker) -- a second line behind the clamp.
+* **Acknowledgements go through ``ack_store``.** When the workers report a store job
+  complete, each chunk's tickets are acknowledged; a chunk with a ticket the core
+  rejects (its block was quarantined, invalidated, evicted or reused since the copy
+  began) is discarded from the tier (``OffloadingManager.complete_store(keys,
+  success=False)``) instead of becoming loadable; its other blocks' tier records are
+  withdrawn (``forget_tier_copy``).
+* A cache reset fails the tickets of the jobs it flushes (``fail_store``).
+
+Without kvguard's pool underneath (stock scheduler, ``KVGUARD_GUARD=0``) it is vLLM's
+``OffloadingConnector``. Select it with ``KVTransferConfig(kv_connector=
+"GuardedOffloadingConnector", kv_connector_module_path="kvguard.adapters.vllm.offloading")``,
+or let the plugin (``KVGUARD_GUARD=1``) substitute it for ``OffloadingConnector``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from itertools import chain
+from typing import Any
+
+from kvguard.adapters.vllm._compat import require_supported_vllm
+
+require_supported_vllm()
+
+from vllm.distributed.kv_transfer.kv_connector.v1 import (  # noqa: E402
+    KVConnectorBase_V1,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (  # noqa: E402
+    OffloadingWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (  # noqa: E402
+    build_offloading_config,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (  # noqa: E402
+    OffloadingConnectorScheduler,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (  # noqa: E402
+    OffloadingConnectorWorker,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (  # noqa: E402
+    OffloadingConnector,
+)
+from vllm.logger import init_logger  # noqa: E402
+from vllm.v1.core.kv_cache_utils import (  # noqa: E402
+    make_block_hash_with_group_id,
+    resolve_block_hashes,
+)
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
+
+from kvguard.errors import NotStorableError  # noqa: E402
+from kvguard.hashing import BlockHash  # noqa: E402
+from kvguard.results import StoreTicket  # noqa: E402
+from kvguard.states import STORABLE_STATES  # noqa: E402
+
+from .block_pool import GuardedBlockPool  # noqa: E402
+
+logger = init_logger(__name__)
+
+TIER = "vllm-offload"
+"""The tier name kvguard records the connector's copies under (``tier_copies``)."""
+
+
+class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
+    """The scheduler side of :class:`GuardedOffloadingConnector`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._kvguard_kv_cache_manager: Any = None
+        # Request id -> offloadable tokens kvguard allows, while store jobs are built.
+        self._kvguard_limits: dict[str, int] | None = None
+        # Store job id -> offload key -> the tickets of the blocks that chunk copies.
+        self._kvguard_tickets: dict[int, dict[Any, list[StoreTicket]]] = {}
+        self.kvguard_counters = {
+            "offload_store_jobs": 0,
+            "offload_store_jobs_cancelled": 0,
+            "offload_chunks_stored": 0,
+            "offload_chunks_discarded": 0,
+        }
+
+    def kvguard_bind(self, kv_cache_manager: Any) -> None:
+        self._kvguard_kv_cache_manager = kv_cache_manager
+
+    def kvguard_pool(self) -> GuardedBlockPool | None:
+        """kvguard's pool under the scheduler, or None (stock or pass-through pool:
+        the connector is then vLLM's own)."""
+        manager = self._kvguard_kv_cache_manager
+        pool = getattr(manager, "block_pool", None)
+        if isinstance(pool, GuardedBlockPool) and pool.core is not None:
+            return pool
+        return None
+
+    # ------------------------------------------------------------------ store admission
+
+    def _kvguard_validated_tokens(self, pool: GuardedBlockPool, req_status: Any) -> int:
+        """Tokens of the request's leading blocks kvguard allows to be stored: each
+        block VALIDATED or later and carrying this request's hash for its position."""
+        core = pool.core
+        assert core is not None
+        state = core.block_state
+        info = core.block_info
+        blocks_per_chunk = self.config.blocks_per_chunk
+        request = req_status.req
+        limit: int | None = None
+        for group_config, group_state in zip(
+            self.config.kv_group_configs, req_status.group_states, strict=True
+        ):
+            block_size = group_config.tokens_per_block
+            group_id = group_config.group_idx
+            hashes = resolve_block_hashes(request.block_hashes, pool.hash_block_size, block_size)
+            block_ids = group_state.block_ids
+            end = min(len(block_ids), len(hashes))
+            # Chunks before vLLM's pointer were offered already; only newer ones count.
+            n = min(group_state.next_stored_chunk_idx * blocks_per_chunk, end)
+            while n < end:
+                block_id = block_ids[n]
+                if not block_id or state(block_id) not in STORABLE_STATES:
+                    break
+                key = BlockHash(make_block_hash_with_group_id(hashes[n], group_id))
+                if info(block_id).block_hash != key:
+                    break  # reused for other tokens since this request held it
+                n += 1
+            tokens = n * block_size
+            limit = tokens if limit is None else min(limit, tokens)
+        return limit or 0
+
+    def _calc_num_offloadable_tokens(self, req_status: Any, num_computed_tokens: int) -> int:
+        num: int = super()._calc_num_offloadable_tokens(req_status, num_computed_tokens)
+        limits = self._kvguard_limits
+        if limits is not None:
+            limit = limits.get(req_status.req.request_id)
+            if limit is not None and limit < num:
+                return limit
+        return num
+
+    def _build_store_jobs(self, scheduler_output: Any) -> dict[int, Any]:
+        pool = self.kvguard_pool()
+        if pool is None:
+            return super()._build_store_jobs(scheduler_output)
+        limits: dict[str, int] = {}
+        for req_id in chain(
+            scheduler_output.num_scheduled_tokens, scheduler_output.finished_req_ids or ()
+        ):
+            req_status = self._req_status.get(req_id)
+            if req_status is not None:
+                limits[req_id] = self._kvguard_validated_tokens(pool, req_status)
+        self._kvguard_limits = limits
+        try:
+            jobs = super()._build_store_jobs(scheduler_output)
+        finally:
+            self._kvguard_limits = None
+        return self._kvguard_admit(pool, jobs)
+
+    def _build_partial_tail_store_jobs(self, scheduler_output: Any) -> dict[int, Any]:
+        jobs = super()._build_partial_tail_store_jobs(scheduler_output)
+        pool = self.kvguard_pool()
+        if pool is None or not jobs:
+            return jobs
+        return self._kvguard_admit(pool, jobs)
+
+    def _kvguard_key_blocks(self, job: Any, status: Any) -> dict[Any, list[int]]:
+        """Offload key -> the GPU blocks the job copies for it."""
+        req_status = self._req_status[job.req_id]
+        wanted = status.keys
+        blocks_per_chunk = self.config.blocks_per_chunk
+        out: dict[Any, list[int]] = {}
+        for group_state in req_status.group_states:
+            keys = group_state.offload_keys
+            block_ids = group_state.block_ids
+            # The chunks just offered are the newest: scan from the end.
+            for chunk in range(len(keys) - 1, -1, -1):
+                key = keys[chunk]
+                if key in wanted and key not in out:
+                    start = chunk * blocks_per_chunk
+                    out[key] = [b for b in block_ids[start : start + blocks_per_chunk] if b]
+                    if len(out) == len(wanted):
+                        return out
+        # Keys not in the request's chunk list (boundary stores): all the job's blocks.
+        every = [int(b) for b in job.src_spec.block_ids]
+        for key in wanted:
+            out.setdefault(key, every)
+        return out
+
+    def _kvguard_admit(self, pool: GuardedBlockPool, jobs: dict[int, Any]) -> dict[int, Any]:
+        """Take a ticket per source block of each job; cancel a job kvguard refuses."""
+        core = pool.core
+        assert core is not None
+        counters = self.kvguard_counters
+        for job_id in list(jobs):
+            status = self._jobs[job_id]
+            tickets: dict[Any, list[StoreTicket]] = {}
+            refused: int | None = None
+            for key, block_ids in self._kvguard_key_blocks(jobs[job_id], status).items():
+                taken = tickets.setdefault(key, [])
+                for block_id in block_ids:
+                    try:
+                        taken.append(core.begin_store(block_id, TIER))
+                    except NotStorableError:
+                        refused = block_id
+                        break
+                if refused is not None:
+                    break
+            if refused is None:
+                self._kvguard_tickets[job_id] = tickets
+                counters["offload_store_jobs"] += 1
+                continue
+            for taken in tickets.values():
+                for ticket in taken:
+                    core.fail_store(ticket)
+            logger.warning(
+                "kvguard: store job %d of request %s copies block %d, which is not "
+                "validated; the job is cancelled",
+                job_id,
+                status.req_id,
+                refused,
+            )
+            self._kvguard_cancel(job_id, jobs.pop(job_id).req_id, status)
+            counters["offload_store_jobs_cancelled"] += 1
+        return jobs
+
+    def _kvguard_cancel(self, job_id: int, req_id: str, status: Any) -> None:
+        """Undo a store job vLLM just built (it never reaches a worker)."""
+        req_status = self._req_status[req_id]
+        self.manager.complete_store(status.keys, req_status.req_context, success=False)
+        req_status.transfer_jobs.discard(job_id)
+        del self._jobs[job_id]
+        for block_ids in (status.fenced_block_ids, status.deferred_fence_block_ids):
+            for block_id in block_ids or ():
+                pending = self._block_id_to_pending_jobs.get(block_id)
+                if pending is not None:
+                    pending.discard(job_id)
+                    if not pending:
+                        del self._block_id_to_pending_jobs[block_id]
+        self._current_batch_jobs_to_flush.discard(job_id)
+        # Offer its chunks again once kvguard allows them.
+        for group_state in req_status.group_states:
+            for chunk, key in enumerate(group_state.offload_keys):
+                if key in status.keys:
+                    group_state.next_stored_chunk_idx = min(
+                        group_state.next_stored_chunk_idx, chunk
+                    )
+                    break
+
+    # ------------------------------------------------------------------ acknowledgements
+
+    def _update_connector_output(self, connector_output: Any) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        tickets = self._kvguard_tickets
+        if tickets and isinstance(meta, OffloadingWorkerMetadata):
+            for job_id, count in meta.completed_jobs.items():
+                if job_id not in tickets:
+                    continue
+                status = self._jobs.get(job_id)
+                if status is None or status.pending_count > count:
+                    continue  # other workers still copying
+                self._kvguard_acknowledge(job_id, status)
+        super()._update_connector_output(connector_output)
+
+    def _kvguard_acknowledge(self, job_id: int, status: Any) -> None:
+        """Every worker finished the job: register its copies in kvguard; a chunk
+        whose block changed since the copy began is discarded from the tier."""
+        pool = self.kvguard_pool()
+        by_key = self._kvguard_tickets.pop(job_id)
+        if pool is None:
+            return
+        core = pool.core
+        assert core is not None
+        discard: list[Any] = []
+        for key, taken in by_key.items():
+            acks = [core.ack_store(ticket) for ticket in taken]
+            if all(acks):
+                continue
+            for ticket, ok in zip(taken, acks, strict=True):
+                if ok:  # the chunk goes as a whole
+                    core.forget_tier_copy(TIER, ticket.block_hash)
+            discard.append(key)
+        counters = self.kvguard_counters
+        counters["offload_chunks_stored"] += len(by_key) - len(discard)
+        if discard:
+            counters["offload_chunks_discarded"] += len(discard)
+            status.keys.difference_update(discard)
+            req_status = self._req_status[status.req_id]
+            self.manager.complete_store(discard, req_status.req_context, success=False)
+
+    # ------------------------------------------------------------------ cache reset
+
+    def _reset_cache(self) -> None:
+        pool = self.kvguard_pool()
+        if pool is not None and pool.core is not None:
+            for by_key in self._kvguard_tickets.values():
+                for taken in by_key.values():
+                    for ticket in taken:
+                        pool.core.fail_store(ticket)
+        self._kvguard_tickets.clear()
+        super()._reset_cache()
+
+    def kvguard_in_flight(self) -> dict[int, Collection[Any]]:
+        """Store job id -> offload keys of the jobs whose acknowledgement is due."""
+        return {job_id: tuple(by_key) for job_id, by_key in self._kvguard_tickets.items()}
+
+
+class GuardedOffloadingConnector(OffloadingConnector):
+    """vLLM's ``OffloadingConnector`` whose store jobs pass kvguard's tier gate."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        # OffloadingConnector.__init__ with the guarded scheduler side (vLLM 0.33).
+        KVConnectorBase_V1.__init__(self, vllm_config, role, kv_cache_config)
+        offloading_config = build_offloading_config(vllm_config, kv_cache_config)
+        self._canonical_layout = offloading_config.canonical_layout
+        spec = OffloadingSpecFactory.create_spec(offloading_config)
+        self.connector_scheduler: GuardedOffloadingConnectorScheduler | None = None
+        self.connector_worker: OffloadingConnectorWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = GuardedOffloadingConnectorScheduler(
+                spec, vllm_config, kv_cache_config
+            )
+        elif role == KVConnectorRole.WORKER:
+            self.connector_worker = OffloadingConnectorWorker(spec, vllm_config, kv_cache_config)
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self.connector_scheduler is not None:
+            # Read at use: the guarded scheduler installs kvguard's pool afterwards.
+            self.connector_scheduler.kvguard_bind(kv_cache_manager)
+
+    def kvguard_stats(self) -> dict[str, int]:
+        if self.connector_scheduler is None:
+            return {}
+        return dict(self.connector_scheduler.kvguard_counters)
+
+
+def is_stock_offloading_connector(connector: object) -> bool:
+    """vLLM's own ``OffloadingConnector`` (not the guarded one)."""
+    return type(connector) is OffloadingConnector
