@@ -44,6 +44,7 @@ def make_vllm_config(
     max_num_batched_tokens: int = 64,
     max_num_seqs: int = 16,
     kvguard: Mapping[str, Any] | None = None,
+    kv_transfer_config: Any = None,
 ) -> VllmConfig:
     sched_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -62,6 +63,7 @@ def make_vllm_config(
         model_config=model_config,
         cache_config=cache_config,
         additional_config=additional,
+        kv_transfer_config=kv_transfer_config,
     )
 
 
@@ -73,6 +75,7 @@ def make_scheduler(
     max_num_batched_tokens: int = 64,
     max_num_seqs: int = 16,
     kvguard: Mapping[str, Any] | None = None,
+    kv_transfer_config: Any = None,
 ) -> Any:
     vllm_config = make_vllm_config(
         async_scheduling=async_scheduling,
@@ -80,6 +83,7 @@ def make_scheduler(
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
         kvguard=kvguard,
+        kv_transfer_config=kv_transfer_config,
     )
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks,

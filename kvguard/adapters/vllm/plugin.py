@@ -13,7 +13,10 @@ does nothing unless ``KVGUARD_GUARD=1`` is set explicitly; then, in that process
   zeroing *every* new block in return (only kvguard's zero queue is sent), unless the
   model needs vLLM's own zeroing (Mamba, mixed-precision caches);
 * selects the guarded scheduler when none was chosen (``--scheduler-cls`` unset):
-  ``GuardedAsyncScheduler`` with async scheduling, else ``GuardedScheduler``.
+  ``GuardedAsyncScheduler`` with async scheduling, else ``GuardedScheduler``;
+* registers ``GuardedOffloadingConnector`` with vLLM's connector factory and gives it
+  to ``kv_connector="OffloadingConnector"`` (a subclass: workers run vLLM's code;
+  store jobs cover validated blocks only, see :mod:`kvguard.adapters.vllm.offloading`).
 
 Idempotent: vLLM may load plugins several times per process.
 """
@@ -52,6 +55,7 @@ def register() -> None:
         )
     _patch_zeroing()
     _patch_scheduler_cls()
+    _patch_connector_cls()
 
 
 def _patch_zeroing() -> None:
@@ -102,3 +106,36 @@ def _patch_scheduler_cls() -> None:
     setattr(get_scheduler_cls, _MARK, True)
     get_scheduler_cls.__wrapped__ = current  # type: ignore[attr-defined]
     SchedulerConfig.get_scheduler_cls = get_scheduler_cls
+
+
+GUARDED_CONNECTOR = "GuardedOffloadingConnector"
+_STOCK_CONNECTOR = (
+    "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
+    "OffloadingConnector",
+)
+
+
+def _patch_connector_cls() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if GUARDED_CONNECTOR not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(
+            GUARDED_CONNECTOR, "kvguard.adapters.vllm.offloading", GUARDED_CONNECTOR
+        )
+    current = KVConnectorFactory.get_connector_class
+    if getattr(current, _MARK, False):
+        return
+    stock = current.__func__
+
+    def get_connector_class(cls: Any, kv_transfer_config: Any) -> Any:
+        connector_cls = stock(cls, kv_transfer_config)
+        if (connector_cls.__module__, connector_cls.__name__) == _STOCK_CONNECTOR:
+            # Its store jobs would copy KV of steps not validated yet.
+            from kvguard.adapters.vllm.offloading import GuardedOffloadingConnector
+
+            return GuardedOffloadingConnector
+        return connector_cls
+
+    setattr(get_connector_class, _MARK, True)
+    get_connector_class.__wrapped__ = stock  # type: ignore[attr-defined]
+    KVConnectorFactory.get_connector_class = classmethod(get_connector_class)

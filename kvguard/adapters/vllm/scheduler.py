@@ -74,6 +74,7 @@ class _GuardMixin:
         self.kvguard_pool = install_guarded_pool(self.kv_cache_manager, guard)
         if guard.enabled:
             self._kvguard_setup_zeroing(self.kv_cache_config)
+            self._kvguard_check_connector()
         self.kvguard_metrics = GuardMetrics()
         self.kvguard_metrics_label = register_prometheus(self) if guard.enabled else None
         self._kvguard_ledger = StepLedger()
@@ -100,6 +101,20 @@ class _GuardMixin:
                 "do not build their block zeroer and quarantined blocks are reused "
                 "unwiped. Start vLLM with KVGUARD_GUARD=1 (kvguard's vLLM plugin) to "
                 "turn worker-side zeroing on."
+            )
+
+    def _kvguard_check_connector(self) -> None:
+        connector = getattr(self, "connector", None)
+        if connector is None or type(connector).__name__ != "OffloadingConnector":
+            return
+        from .offloading import is_stock_offloading_connector
+
+        if is_stock_offloading_connector(connector):
+            logger.warning(
+                "kvguard: vLLM's OffloadingConnector stores KV of steps that are not "
+                "validated yet to its CPU tier. Use kv_connector='GuardedOffloadingConnector' "
+                "(kv_connector_module_path='kvguard.adapters.vllm.offloading'), or start "
+                "vLLM with KVGUARD_GUARD=1, which selects it for you."
             )
 
     # ------------------------------------------------------------------ schedule
@@ -278,6 +293,10 @@ class _GuardMixin:
             out["dropped_acks"] = counters.dropped_acks
             out["blocks_published"] = counters.blocks_published
             out["stores_started"] = counters.stores_started
+            out["stores_acknowledged"] = counters.stores_acknowledged
+        stats = getattr(getattr(self, "connector", None), "kvguard_stats", None)
+        if stats is not None:
+            out.update(stats())
         return out
 
 

@@ -1,0 +1,339 @@
+"""The offload gate: vLLM's OffloadingConnector (real scheduler side, real CPU offloading
+manager) stores only validated blocks, and late acknowledgements are dropped.
+
+The worker side of vLLM's CPU offloading needs a GPU; here a worker's report is what
+it sends the scheduler: ``OffloadingWorkerMetadata.completed_jobs`` inside the step's
+``KVConnectorOutput`` (vLLM's own offloading tests drive the scheduler the same way).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm")
+
+from vllm.config import KVTransferConfig  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (  # noqa: E402
+    OffloadingWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (  # noqa: E402
+    OffloadingConnector,
+)
+from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id  # noqa: E402
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+from kvguard import BlockHash, BlockState  # noqa: E402
+from kvguard.adapters.vllm import plugin  # noqa: E402
+from kvguard.adapters.vllm.offloading import (  # noqa: E402
+    TIER,
+    GuardedOffloadingConnector,
+)
+
+from .harness import BLOCK, finish_reasons, make_request, make_scheduler, model_output  # noqa: E402
+
+PROMPT = list(range(1000, 1000 + 4 * BLOCK))  # 4 full blocks
+STORABLE = {BlockState.VALIDATED, BlockState.PUBLISHED, BlockState.OFFLOADED}
+
+
+def transfer_config(connector: str = "GuardedOffloadingConnector") -> KVTransferConfig:
+    return KVTransferConfig(
+        kv_connector=connector,
+        kv_role="kv_both",
+        kv_connector_module_path=(
+            "kvguard.adapters.vllm.offloading" if connector.startswith("Guarded") else None
+        ),
+        kv_connector_extra_config={"cpu_bytes_to_use": 1 << 20},
+    )
+
+
+def offload_scheduler(*, connector: str = "GuardedOffloadingConnector", **kwargs: Any) -> Any:
+    return make_scheduler(kv_transfer_config=transfer_config(connector), **kwargs)
+
+
+def output(
+    s: Any,
+    so: Any,
+    nans: Mapping[str, int] | None = None,
+    *,
+    completed: Iterable[int] = (),
+    recved: Iterable[str] = (),
+) -> Any:
+    """The model runner's output, with the workers' report of finished transfer jobs."""
+    mo = model_output(s, so, nans)
+    mo.kv_connector_output = KVConnectorOutput(
+        finished_recving=set(recved) or None,
+        kv_connector_worker_meta=OffloadingWorkerMetadata(
+            completed_jobs=dict.fromkeys(completed, 1)
+        ),
+    )
+    return mo
+
+
+def store_blocks(so: Any) -> dict[int, list[int]]:
+    """Store job id -> GPU blocks it copies, as sent to the workers."""
+    jobs = so.kv_connector_metadata.store_jobs
+    return {j: [int(b) for b in job.src_spec.block_ids] for j, job in jobs.items()}
+
+
+def tier_state(s: Any, prompt: list[int]) -> list[LookupResult]:
+    """What the CPU tier holds for each full block of ``prompt``."""
+    manager = s.connector.connector_scheduler.manager
+    probe = make_request("probe", prompt)
+    ctx = ReqContext(req_id="probe")
+    return [manager.lookup(make_offload_key(h, 0), ctx) for h in probe.block_hashes]
+
+
+def kvguard_hash(prompt: list[int], index: int) -> BlockHash:
+    block_hash = make_request("p", prompt).block_hashes[index]
+    return BlockHash(make_block_hash_with_group_id(block_hash, 0))
+
+
+HIT, MISS = LookupResult.HIT, LookupResult.MISS
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_store_jobs_never_include_unvalidated_blocks(async_scheduling: bool) -> None:
+    """Stock vLLM stores the chunk of the step being scheduled; the guarded connector
+    stores each chunk once its step validated, and ends up storing the same chunks."""
+
+    def run(connector: str, guarded: bool) -> tuple[list[dict[int, list[int]]], Any]:
+        s = offload_scheduler(
+            connector=connector,
+            guarded=guarded,
+            async_scheduling=async_scheduling,
+            max_num_batched_tokens=BLOCK,
+        )
+        s.add_request(make_request("a", PROMPT, max_tokens=3))
+        s.add_request(make_request("b", PROMPT[: 2 * BLOCK] + [7] * BLOCK, max_tokens=3))
+        core = s.kvguard_pool.core if guarded else None
+        jobs: list[dict[int, list[int]]] = []
+        in_flight: list[Any] = []
+        pending = s.connector.connector_scheduler._jobs
+        for _ in range(100):
+            if not s.requests and not pending:
+                break
+            so = s.schedule()
+            built = store_blocks(so)
+            jobs.append(built)
+            if core is not None:
+                for blocks in built.values():
+                    assert {core.block_state(b) for b in blocks} <= STORABLE, blocks
+                s.kvguard_pool.check_mirror()
+            in_flight.append(so)
+            if async_scheduling and len(in_flight) < 2:
+                continue  # the next step is scheduled before this one's output
+            done = in_flight.pop(0)
+            # Workers finish each store within the step after it was submitted.
+            s.update_from_output(done, output(s, done, completed=store_blocks(done)))
+        else:
+            raise AssertionError("requests did not finish")
+        for done in in_flight:
+            s.update_from_output(done, output(s, done))
+        return jobs, s
+
+    stock_jobs, stock = run("OffloadingConnector", guarded=False)
+    guarded_jobs, guarded = run("GuardedOffloadingConnector", guarded=True)
+    # Stock: the first step's store job copies the block that very step writes.
+    first = stock_jobs[0]
+    assert first and all(first.values())
+    assert not guarded_jobs[0], "nothing is validated before the first output"
+    # Same chunks end up in the CPU tier.
+    for prompt in (PROMPT, PROMPT[: 2 * BLOCK] + [7] * BLOCK):
+        assert tier_state(stock, prompt) == tier_state(guarded, prompt)
+        assert tier_state(guarded, prompt)[: len(prompt) // BLOCK] == [HIT] * (len(prompt) // BLOCK)
+    stats = guarded.kvguard_stats()
+    assert stats["offload_store_jobs_cancelled"] == 0
+    assert stats["offload_chunks_discarded"] == stats["dropped_acks"] == 0
+    # a's 4 chunks and b's third (its first two are a's).
+    assert stats["offload_chunks_stored"] == stats["stores_acknowledged"] == 4 + 1
+    assert guarded.kvguard_pool.core.tier_copies(kvguard_hash(PROMPT, 0)) == (TIER,)
+
+
+def test_failed_request_stores_its_validated_chunks_only_and_they_hit() -> None:
+    s = offload_scheduler(max_num_batched_tokens=BLOCK)
+    core = s.kvguard_pool.core
+    s.add_request(make_request("a", PROMPT))
+    so1 = s.schedule()
+    assert store_blocks(so1) == {}
+    s.update_from_output(so1, output(s, so1))
+    so2 = s.schedule()
+    (job0,) = store_blocks(so2)  # chunk 0, validated by step 1
+    s.update_from_output(so2, output(s, so2))  # its copy is still running
+    so3 = s.schedule()
+    (job1,) = store_blocks(so3)  # chunk 1, validated by step 2
+    out = s.update_from_output(so3, output(s, so3, {"a": 4}))  # chunk 2 is NaN
+    assert finish_reasons(out) == {"a": "error"}
+    # The next steps: the failed request's last chance to store (finished_req_ids)
+    # offers nothing; the earlier chunks' copies finish after the abort.
+    so4 = s.schedule()
+    assert so4.finished_req_ids == {"a"}
+    assert store_blocks(so4) == {}
+    s.update_from_output(so4, output(s, so4, completed=[job0, job1]))
+    assert tier_state(s, PROMPT) == [HIT, HIT, MISS, MISS]
+    assert core.tier_copies(kvguard_hash(PROMPT, 1)) == (TIER,)
+    assert core.tier_copies(kvguard_hash(PROMPT, 2)) == ()
+    assert s.kvguard_stats()["dropped_acks"] == 0
+    # A retry after the GPU prefix cache was dropped loads the two validated
+    # chunks from the CPU tier and recomputes only the rest.
+    assert s.reset_prefix_cache()
+    s.add_request(make_request("retry", PROMPT))
+    so5 = s.schedule()
+    (load,) = so5.kv_connector_metadata.load_jobs.values()
+    assert len(load.src_spec.block_ids) == 2
+    assert s.requests["retry"].status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    (load_id,) = so5.kv_connector_metadata.load_jobs
+    s.update_from_output(so5, output(s, so5, completed=[load_id], recved=["retry"]))
+    assert s.requests["retry"].num_computed_tokens == 2 * BLOCK  # loaded
+    so6 = s.schedule()
+    assert so6.num_scheduled_tokens == {"retry": BLOCK}
+    s.update_from_output(so6, output(s, so6))
+    s.kvguard_pool.check_mirror()
+
+
+def _finish_and_offer(s: Any, prompt: list[int]) -> tuple[Any, int]:
+    """Request "a" prefills ``prompt`` in one step and finishes; the next step offers
+    its blocks for storing. Returns that step's output and the store job."""
+    s.add_request(make_request("a", prompt, max_tokens=1))
+    so = s.schedule()
+    out = s.update_from_output(so, output(s, so))
+    assert finish_reasons(out) == {"a": "length"}
+    so = s.schedule()
+    (job,) = store_blocks(so)
+    return so, job
+
+
+def test_late_ack_after_the_blocks_were_reused_is_dropped() -> None:
+    s = offload_scheduler(num_blocks=4)  # 3 usable blocks
+    core = s.kvguard_pool.core
+    prompt = PROMPT[: 2 * BLOCK]
+    so, job = _finish_and_offer(s, prompt)
+    copied = store_blocks(so)[job]
+    s.update_from_output(so, output(s, so))  # the copy is still running
+    # Another request needs every block: a's cached blocks are evicted and reused.
+    s.add_request(make_request("b", list(range(9000, 9000 + 3 * BLOCK))))
+    so = s.schedule()
+    (table,) = s.kv_cache_manager.get_block_ids("b")
+    assert set(copied) <= set(table)
+    assert job in so.kv_connector_metadata.jobs_to_flush  # vLLM fences the reuse
+    s.update_from_output(so, output(s, so, completed=[job]))  # the ack arrives late
+    assert tier_state(s, prompt) == [MISS, MISS]  # discarded, not loadable
+    assert core.tier_copies(kvguard_hash(prompt, 0)) == ()
+    stats = s.kvguard_stats()
+    assert stats["dropped_acks"] == 2
+    assert stats["offload_chunks_discarded"] == 2
+    assert stats["offload_chunks_stored"] == 0
+    s.kvguard_pool.check_mirror()
+
+
+def test_late_ack_after_invalidation_is_dropped() -> None:
+    s = offload_scheduler()
+    core = s.kvguard_pool.core
+    prompt = PROMPT[: 3 * BLOCK]
+    so, job = _finish_and_offer(s, prompt)
+    s.update_from_output(so, output(s, so))
+    # Block 1 is found corrupt after the fact, while the copy runs: it and its
+    # descendant (block 2) are tainted; block 0 is not.
+    report = core.invalidate([kvguard_hash(prompt, 1)])
+    assert len(report.block_ids) == 2
+    so = s.schedule()
+    s.update_from_output(so, output(s, so, completed=[job]))
+    assert tier_state(s, prompt) == [HIT, MISS, MISS]
+    assert core.tier_copies(kvguard_hash(prompt, 0)) == (TIER,)
+    assert {core.block_state(b) for b in report.block_ids} == {BlockState.QUARANTINED}
+    assert s.kvguard_stats()["dropped_acks"] == 2
+
+
+def test_unvalidated_block_in_a_store_job_cancels_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Second line: a job vLLM builds with a block kvguard refuses never reaches a
+    worker, and its chunks are offered again once they validated."""
+    s = offload_scheduler(max_num_batched_tokens=BLOCK)
+    cs = s.connector.connector_scheduler
+    with monkeypatch.context() as m:
+        m.setattr(cs, "_kvguard_validated_tokens", lambda pool, req_status: 10**9)
+        s.add_request(make_request("a", PROMPT[: 2 * BLOCK]))
+        so = s.schedule()
+    assert store_blocks(so) == {}
+    assert not cs._jobs and not cs._req_status["a"].transfer_jobs
+    assert tier_state(s, PROMPT[: 2 * BLOCK]) == [MISS, MISS]
+    assert s.kvguard_stats()["offload_store_jobs_cancelled"] == 1
+    assert s.kvguard_stats()["stores_started"] == 0
+    s.update_from_output(so, output(s, so))
+    so = s.schedule()
+    (job,) = store_blocks(so)  # chunk 0 again, validated now
+    s.update_from_output(so, output(s, so, completed=[job]))
+    assert tier_state(s, PROMPT[: 2 * BLOCK])[0] is HIT
+
+
+def test_cache_reset_fails_the_tickets_in_flight() -> None:
+    s = offload_scheduler()
+    core = s.kvguard_pool.core
+    so, job = _finish_and_offer(s, PROMPT[: 2 * BLOCK])
+    s.update_from_output(so, output(s, so))
+    assert s.connector.connector_scheduler.kvguard_in_flight()
+    assert s.reset_prefix_cache(reset_connector=True)
+    assert not s.connector.connector_scheduler.kvguard_in_flight()
+    counters = core.stats().counters
+    assert counters.stores_failed == 2 and counters.stores_acknowledged == 0
+    so = s.schedule()  # the flushed job's report arrives; it is stale now
+    s.update_from_output(so, output(s, so, completed=[job]))
+    assert s.kvguard_stats()["dropped_acks"] == 0
+
+
+def test_without_kvguards_pool_it_is_vllms_connector() -> None:
+    for kvguard in ({"enabled": False}, None):
+        if kvguard is None:
+            s = offload_scheduler(guarded=False, max_num_batched_tokens=BLOCK)
+        else:
+            s = offload_scheduler(kvguard=kvguard, max_num_batched_tokens=BLOCK)
+        assert isinstance(s.connector, GuardedOffloadingConnector)
+        s.add_request(make_request("a", PROMPT))
+        assert store_blocks(s.schedule())  # stock behaviour: stores at schedule time
+
+
+@pytest.fixture
+def plugin_on(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    from vllm.config.scheduler import SchedulerConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    monkeypatch.setattr(
+        KVCacheConfig, "needs_kv_cache_zeroing", KVCacheConfig.__dict__["needs_kv_cache_zeroing"]
+    )
+    monkeypatch.setattr(SchedulerConfig, "get_scheduler_cls", SchedulerConfig.get_scheduler_cls)
+    monkeypatch.setattr(
+        KVConnectorFactory,
+        "get_connector_class",
+        KVConnectorFactory.__dict__["get_connector_class"],
+    )
+    monkeypatch.setattr(KVConnectorFactory, "_registry", dict(KVConnectorFactory._registry))
+    monkeypatch.setenv("KVGUARD_GUARD", "1")
+    plugin.register()
+    plugin.register()
+    yield
+
+
+@pytest.mark.usefixtures("plugin_on")
+def test_plugin_selects_the_guarded_connector() -> None:
+    stock = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both")
+    assert KVConnectorFactory.get_connector_class(stock) is GuardedOffloadingConnector
+    by_name = KVTransferConfig(kv_connector="GuardedOffloadingConnector", kv_role="kv_both")
+    assert KVConnectorFactory.get_connector_class(by_name) is GuardedOffloadingConnector
+    other = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")
+    assert KVConnectorFactory.get_connector_class(other) is not GuardedOffloadingConnector
+    s = offload_scheduler(connector="OffloadingConnector")
+    assert isinstance(s.connector, GuardedOffloadingConnector)
+    assert issubclass(GuardedOffloadingConnector, OffloadingConnector)
+
+
+def test_guarded_scheduler_warns_about_the_stock_connector(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    s = offload_scheduler(connector="OffloadingConnector")
+    assert type(s.connector) is OffloadingConnector
+    assert "kv_connector='GuardedOffloadingConnector'" in caplog.text
