@@ -337,3 +337,9 @@ def test_guarded_scheduler_warns_about_the_stock_connector(
     s = offload_scheduler(connector="OffloadingConnector")
     assert type(s.connector) is OffloadingConnector
     assert "kv_connector='GuardedOffloadingConnector'" in caplog.text
+
+
+def test_package_exports_the_connector() -> None:
+    import kvguard.adapters.vllm as adapter
+
+    assert adapter.GuardedOffloadingConnector is GuardedOffloadingConnector

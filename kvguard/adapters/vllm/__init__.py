@@ -1,4 +1,5 @@
-"""kvguard inside vLLM (0.33.x): the pool under ``KVCacheManager``, guarded schedulers.
+"""kvguard inside vLLM (0.33.x): the pool under ``KVCacheManager``, guarded schedulers,
+the guarded offloading connector.
 
 Importing this package checks the installed vLLM version and imports vLLM; ``import
 kvguard`` alone never does. Turn the guard on with no code change (the
@@ -19,6 +20,7 @@ from kvguard.adapters.vllm.config import GuardConfig, GuardConfigError
 if TYPE_CHECKING:
     from kvguard.adapters.vllm.block_pool import GuardedBlockPool, GuardModeUnsupported
     from kvguard.adapters.vllm.manager import build_kv_cache_manager, install_guarded_pool
+    from kvguard.adapters.vllm.offloading import GuardedOffloadingConnector
     from kvguard.adapters.vllm.scheduler import GuardedAsyncScheduler, GuardedScheduler
 
 __all__ = [
@@ -28,6 +30,7 @@ __all__ = [
     "GuardModeUnsupported",
     "GuardedAsyncScheduler",
     "GuardedBlockPool",
+    "GuardedOffloadingConnector",
     "GuardedScheduler",
     "UnsupportedVllmError",
     "build_kv_cache_manager",
@@ -42,6 +45,7 @@ _LAZY = {
     "install_guarded_pool": "manager",
     "GuardedScheduler": "scheduler",
     "GuardedAsyncScheduler": "scheduler",
+    "GuardedOffloadingConnector": "offloading",
 }
 
 
