@@ -1,0 +1,283 @@
+"""Block-level operations, for engines that keep their own block tables (vLLM).
+
+The caller names blocks instead of a request: allocate/acquire/release references, and
+the block-level write/validate ledger with deferred publication.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvguard.block import Block
+from kvguard.errors import (
+    DoubleFreeError,
+    ForeignBlockError,
+    IllegalTransitionError,
+    NoPendingStepError,
+    PoolMisuseError,
+)
+from kvguard.events import BlockStored
+from kvguard.hashing import BlockHash
+from kvguard.pool_core import (
+    _ACQUIRE,
+    _ALLOCATED,
+    _FAIL,
+    _FREE,
+    _PUBLISH,
+    _VALIDATE_FROM_WRITTEN,
+    _VALIDATED,
+    _WRITE,
+    _WRITTEN,
+    _WRITTEN_FROM_ALLOCATED,
+    PoolCore,
+    _check_count,
+)
+from kvguard.results import BlockValidation, PublishOutcome
+from kvguard.states import MATCHABLE_STATES
+
+
+class BlockSteps(PoolCore):
+    """The block-level API: the caller keeps its own block tables and names blocks."""
+
+    def allocate_blocks(self, num_blocks: int) -> list[int]:
+        """Hand out ``num_blocks`` blocks to a caller that keeps its own block tables.
+
+        Block-level holders (vLLM-style managers) release them with
+        :meth:`release_blocks`; the write/validate ledger is per request and does not
+        apply to them, so they never become matchable.
+        """
+        if type(num_blocks) is not int or num_blocks < 0:
+            _check_count("num_blocks", num_blocks)
+        return self._take_free(num_blocks, 1)
+
+    def acquire_blocks(self, block_ids: Iterable[int]) -> None:
+        """Take a block-level reference on cached (PUBLISHED/OFFLOADED) blocks."""
+        ids = list(block_ids)
+        for block_id in ids:
+            block = self._block(block_id)
+            if block.state not in MATCHABLE_STATES:
+                raise IllegalTransitionError(block_id, block.state, _ACQUIRE)
+        self._acquire(ids, 1)
+
+    def release_blocks(self, block_ids: Iterable[int]) -> None:
+        """Drop block-level references taken by allocate_blocks/acquire_blocks.
+
+        Blocks whose last reference goes are enqueued in the given order (the first
+        is evicted first); a block still being written by a block-level step is
+        quarantined (its step can never be validated now).
+        """
+        ids = block_ids if isinstance(block_ids, list) else list(block_ids)
+        blocks = self._blocks
+        num_blocks = self.num_blocks
+        targets: list[Block] = []
+        if len(ids) == 1 or len(set(ids)) == len(ids):
+            for block_id in ids:
+                if type(block_id) is not int or not 0 <= block_id < num_blocks:
+                    self._block(block_id)  # raises UnknownBlockError
+                block = blocks[block_id]
+                if not block.external_refs or not block.ref_cnt:
+                    self._check_release(block, 1)  # raises
+                targets.append(block)
+        else:
+            wanted: dict[int, int] = {}
+            for block_id in ids:
+                wanted[block_id] = wanted.get(block_id, 0) + 1
+            for block_id, n in wanted.items():
+                self._check_release(self._block(block_id), n)
+            targets = [blocks[block_id] for block_id in ids]
+        released: list[Block] = []
+        empty: list[int] = []
+        for block in targets:
+            block.external_refs -= 1
+            ref = block.ref_cnt - 1
+            block.ref_cnt = ref
+            if ref:
+                continue
+            if block.state is _ALLOCATED:
+                # Never written: ALLOCATED --RELEASE--> FREE, inlined (the common case).
+                block.state = _FREE
+                empty.append(block.block_id)
+            else:
+                released.append(block)
+        if empty:
+            self._free.push_empty(empty)
+        if released:
+            self._drop_last_refs(released, None)
+
+    @staticmethod
+    def _check_release(block: Block, n: int) -> None:
+        if block.ref_cnt == 0:
+            raise DoubleFreeError(f"block {block.block_id} has no reference left to release")
+        if n > block.external_refs:
+            raise ForeignBlockError(
+                f"block {block.block_id} is held by a request's block table, not through "
+                "allocate_blocks()/acquire_blocks(); free() the request instead"
+            )
+
+    def write_blocks(self, block_ids: Iterable[int]) -> None:
+        """A scheduled step writes into these block-level-held blocks.
+
+        They become WRITTEN (not matchable, not storable) until every step writing
+        them passed :meth:`validate_blocks`. A validated block that is written again
+        loses any hash it carried: its bytes change.
+
+        Runtime: one pass when every block is ALLOCATED (blocks just handed out, the
+        common case for a holder that marks blocks written when it allocates them).
+        """
+        ids = block_ids if isinstance(block_ids, list) else list(block_ids)
+        blocks = self._blocks
+        num_blocks = self.num_blocks
+        checked: list[Block] = []
+        fast = True
+        for block_id in ids:
+            if type(block_id) is not int or not 0 <= block_id < num_blocks:
+                self._block(block_id)  # raises UnknownBlockError
+            block = blocks[block_id]
+            if block.external_refs == 0:
+                raise ForeignBlockError(
+                    f"block {block_id} is not held through allocate_blocks()/"
+                    "acquire_blocks(); request-level blocks are written with write()"
+                )
+            state = block.state
+            if state is not _ALLOCATED:
+                fast = False
+                if state is not _WRITTEN and state is not _VALIDATED:
+                    raise IllegalTransitionError(block_id, state, _WRITE)
+            checked.append(block)
+        if fast and len(set(ids)) == len(ids):
+            # ALLOCATED --WRITE--> WRITTEN for all of them, inlined (an
+            # ALLOCATED block carries no hash).
+            for block in checked:
+                block.state = _WRITTEN_FROM_ALLOCATED
+                block.writers = 1
+            return
+        for block in checked:
+            if block.state is not _WRITTEN:
+                if block.block_hash is not None:
+                    block.block_hash = None
+                    block.parent_hash = None
+                    block.generation += 1
+                self._move(block, _WRITE)
+            block.writers += 1
+
+    def validate_blocks(self, block_ids: Iterable[int]) -> BlockValidation:
+        """The step that wrote these blocks passed (each id once per step).
+
+        A block no other in-flight step writes becomes VALIDATED, and its deferred
+        publication (:meth:`publish_block`) happens now.
+
+        Runtime: one checking pass and one applying pass over the ids; one result
+        object per call (callers batch a whole step's blocks into one call).
+        """
+        ids = block_ids if isinstance(block_ids, list) else list(block_ids)
+        blocks = self._blocks
+        num_blocks = self.num_blocks
+        for block_id in ids:
+            if type(block_id) is not int or not 0 <= block_id < num_blocks:
+                self._block(block_id)  # raises UnknownBlockError
+            block = blocks[block_id]
+            if block.state is not _WRITTEN or not block.writers:
+                self._no_pending_step(block, 1)
+        if len(set(ids)) != len(ids):
+            wanted: dict[int, int] = {}
+            for block_id in ids:
+                wanted[block_id] = wanted.get(block_id, 0) + 1
+            for block_id, n in wanted.items():
+                if blocks[block_id].writers < n:
+                    self._no_pending_step(blocks[block_id], n)
+        validated: list[int] = []
+        published: list[int] = []
+        duplicates: list[int] = []
+        for block_id in ids:
+            block = blocks[block_id]
+            block.writers -= 1
+            if block.writers:
+                continue
+            # WRITTEN --VALIDATE--> VALIDATED, inlined.
+            block.state = _VALIDATE_FROM_WRITTEN
+            validated.append(block_id)
+            pending = block.pending_publication
+            if pending is not None:
+                block.pending_publication = None
+                if self._publish_one(block, *pending):
+                    published.append(block_id)
+                else:
+                    duplicates.append(block_id)
+        return BlockValidation(tuple(validated), tuple(published), tuple(duplicates))
+
+    @staticmethod
+    def _no_pending_step(block: Block, n: int) -> None:
+        raise NoPendingStepError(
+            f"block {block.block_id} is {block.state.name} with {block.writers} step(s) "
+            f"in flight, cannot validate {n}; was it released or failed meanwhile?"
+        )
+
+    def fail_blocks(self, block_ids: Iterable[int]) -> tuple[int, ...]:
+        """A step that wrote these blocks failed (or can never be validated).
+
+        Every WRITTEN block among them is QUARANTINED: never published, never stored,
+        zeroed before reuse. Validated and published blocks keep their state (rule 5).
+        Returns the quarantined ids.
+        """
+        ids = [self._block(block_id).block_id for block_id in block_ids]
+        blocks = self._blocks
+        out: list[int] = []
+        for block_id in ids:
+            block = blocks[block_id]
+            if block.state is _WRITTEN:
+                self._quarantine(block, _FAIL)
+                out.append(block_id)
+        return tuple(out)
+
+    def publish_block(
+        self,
+        block_id: int,
+        block_hash: BlockHash,
+        parent_hash: BlockHash | None = None,
+        *,
+        owner: str = "",
+    ) -> PublishOutcome:
+        """Ask for a full block-level-held block to enter the prefix index.
+
+        The deferred-publication hook: vLLM 0.33 caches full blocks while the step
+        that fills them is being *scheduled*; here a block still being written is
+        only marked, and published by the :meth:`validate_blocks` call that
+        validates it (``BlockStored`` is emitted then, naming ``owner``). A
+        quarantined block is refused with :class:`IllegalTransitionError`.
+        """
+        if not self.enable_caching:
+            raise PoolMisuseError("publish_block() needs a pool with enable_caching=True")
+        block = self._block(block_id)
+        state = block.state
+        if state in MATCHABLE_STATES:
+            if block.block_hash != block_hash:
+                raise PoolMisuseError(f"block {block_id} is already published under another hash")
+            return PublishOutcome.PUBLISHED
+        if state is _VALIDATED:
+            if self._publish_one(block, block_hash, parent_hash, owner):
+                return PublishOutcome.PUBLISHED
+            return PublishOutcome.DUPLICATE
+        if state in (_ALLOCATED, _WRITTEN) and block.ref_cnt:
+            block.pending_publication = (block_hash, parent_hash, owner)
+            self._counters.withheld_publications += 1
+            return PublishOutcome.DEFERRED
+        raise IllegalTransitionError(block_id, state, _PUBLISH)
+
+    def _publish_one(
+        self, block: Block, block_hash: BlockHash, parent_hash: BlockHash | None, owner: str
+    ) -> bool:
+        """Publish a VALIDATED block; False if its hash is indexed already (duplicate)."""
+        block.block_hash = block_hash
+        block.parent_hash = parent_hash
+        if block_hash in self._index:
+            return False
+        self._move(block, _PUBLISH)
+        self._index[block_hash] = block.block_id
+        self._counters.blocks_published += 1
+        self._events.append(BlockStored(owner, (block_hash,), (block.block_id,), parent_hash))
+        return True
+
+    def cached_block_id(self, block_hash: BlockHash) -> int | None:
+        """The PUBLISHED/OFFLOADED block holding ``block_hash``, or None (no reference
+        is taken: :meth:`acquire_blocks` it)."""
+        return self._index.get(block_hash)

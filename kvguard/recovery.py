@@ -1,0 +1,102 @@
+"""Fault recovery: roll a request back to its surviving KV (``zero_request_tail``).
+
+The pool plans the rollback and queues the token slots to wipe (sans-IO); the kernels
+layer (:class:`kvguard.kernels.CacheWiper`) executes the wipe on the device.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from kvguard.errors import PoolMisuseError, RollbackError
+from kvguard.pool_core import _QUARANTINED, _VALIDATE, _WRITE, PoolCore, _cdiv, _check_count
+from kvguard.results import SlotRange, TailRollback
+from kvguard.states import MATCHABLE_STATES, BlockEvent
+
+
+class Recovery(PoolCore):
+    """Rolling a request back to its validated boundary (``zero_request_tail``)."""
+
+    def zero_request_tail(self, request_id: str, num_tokens: int | None = None) -> TailRollback:
+        """Roll the request back so it can resume from its surviving KV.
+
+        By default everything past the validated boundary is dropped; ``num_tokens``
+        drops exactly the last ``num_tokens`` written tokens instead. The dropped token
+        slots are queued, at token granularity, for ``take_slots_to_zero`` (a partial
+        block keeps its valid prefix). The request's in-flight steps past the new
+        boundary are forgotten: their results must not be delivered. A request aborted
+        by a failed step is revived. Published (shared) blocks are never rolled back.
+        """
+        rec = self._record(request_id)
+        old = rec.num_written
+        if num_tokens is None:
+            boundary = rec.num_validated
+        else:
+            _check_count("num_tokens", num_tokens)
+            if num_tokens > old:
+                raise PoolMisuseError(
+                    f"cannot roll back {num_tokens} tokens: request {request_id!r} has "
+                    f"written only {old}"
+                )
+            boundary = old - num_tokens
+            if rec.aborted and boundary > rec.num_validated:
+                raise RollbackError(
+                    f"request {request_id!r} was aborted: tokens past its validated boundary "
+                    f"({rec.num_validated}) come from the failed step and cannot be kept"
+                )
+        size = self.block_size
+        blocks = self._blocks
+        table = rec.blocks
+        affected = range(boundary // size, _cdiv(old, size) if boundary < old else 0)
+        for i in affected:
+            block = blocks[table[i]]
+            if block.state in MATCHABLE_STATES or block.ref_cnt != 1 or block.external_refs:
+                raise RollbackError(
+                    f"rolling request {request_id!r} back to token {boundary} would wipe "
+                    f"block {block.block_id} ({block.state.name}, ref_cnt={block.ref_cnt}), "
+                    "which other requests can see; invalidate() its hash instead"
+                )
+        if affected and boundary % size:
+            first = blocks[table[affected[0]]]
+            if first.state is _QUARANTINED and (affected[0] + 1) * size <= rec.num_validated:
+                # Quarantined though wholly validated: its hash was tainted (invalidate),
+                # so the prefix this rollback would keep is corrupt too.
+                raise RollbackError(
+                    f"block {first.block_id} of request {request_id!r} was invalidated; "
+                    f"roll back to its start (token {affected[0] * size}) or free the request"
+                )
+        new_validated = min(rec.num_validated, boundary)
+        slots: list[SlotRange] = []
+        for i in affected:
+            block = blocks[table[i]]
+            lo = max(boundary, i * size) - i * size
+            hi = min(old, (i + 1) * size) - i * size
+            slots.append(SlotRange(block.block_id, lo, hi))
+            self._move(block, BlockEvent.ROLLBACK)
+            block.block_hash = None
+            block.parent_hash = None
+            block.generation += 1
+            # Replay the ledger for the tokens this block keeps (at most the first one).
+            if lo:
+                self._move(block, _WRITE)
+                if i * size + lo <= new_validated:
+                    self._move(block, _VALIDATE)
+        kept = deque(end for end in rec.pending if end < boundary)
+        if boundary > (kept[-1] if kept else new_validated):
+            kept.append(boundary)  # the step that straddled the boundary, truncated
+        rec.pending = kept
+        rec.discarded.clear()
+        rec.aborted = False
+        rec.num_written = boundary
+        rec.num_validated = new_validated
+        rec.publish_cursor = min(rec.publish_cursor, new_validated // size)
+        # The token at position t was sampled by the step that processed t - 1, so the
+        # ids up to and including ``boundary`` stay valid; later generated ones will be
+        # produced again. Prompt ids always stay.
+        del rec.token_ids[max(boundary + 1, rec.num_prompt_tokens) :]
+        if not rec.explicit_hashes:
+            del rec.block_hashes[len(rec.token_ids) // size :]
+        result = TailRollback(request_id, boundary, old - boundary, tuple(slots))
+        self._zero.add_slots(result.slots)
+        self._counters.slots_zeroed += old - boundary
+        return result

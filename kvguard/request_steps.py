@@ -1,0 +1,408 @@
+"""Request-level operations: admission, prefix hits, the write/validate ledger, release.
+
+The engine names a request and a token count; the pool keeps the block table and the
+ledger (see :mod:`kvguard.ledger`), publishes only what validated, and aborts a request
+alone when one of its steps fails.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+from kvguard.block import Block
+from kvguard.errors import (
+    DuplicateRequestError,
+    IllegalTransitionError,
+    NoPendingStepError,
+    NotAllocatedError,
+    OutOfBlocksError,
+    PoolMisuseError,
+    RequestAbortedError,
+    StaleHitError,
+)
+from kvguard.events import BlockStored, RequestAborted
+from kvguard.hashing import BlockHash
+from kvguard.ledger import RequestRecord
+from kvguard.pool_core import (
+    _FAIL,
+    _PUBLISH_FROM_VALIDATED,
+    _STAYS_CACHED,
+    _VALIDATE_FROM_WRITTEN,
+    _VALIDATED,
+    _WRITE,
+    _WRITE_TO,
+    _WRITTEN,
+    PoolCore,
+    _cdiv,
+    _check_count,
+    _token_array,
+)
+from kvguard.results import PrefixHit, RequestProgress, StepOutcome, StepResult, TokenRange
+from kvguard.states import MATCHABLE_STATES
+
+
+class RequestSteps(PoolCore):
+    """The request-level API: the engine names a request; the pool keeps its blocks
+    and its write/validate ledger."""
+
+    def add_request(
+        self,
+        request_id: str,
+        token_ids: Sequence[int] = (),
+        *,
+        salt: bytes | None = None,
+        block_hashes: Sequence[BlockHash] | None = None,
+        retention: int = 0,
+    ) -> None:
+        """Open a request. Its prompt's ``token_ids`` are hashed block by block on demand.
+
+        Engines that hash blocks themselves pass ``block_hashes`` (one per full block,
+        chained) instead and extend them with :meth:`append_block_hashes`. A request's
+        cached blocks are evicted in order of ``retention`` (lower first), LRU within.
+        """
+        if not isinstance(request_id, str):
+            raise PoolMisuseError(f"request_id must be a str, got {request_id!r}")
+        if request_id in self._requests:
+            raise DuplicateRequestError(
+                f"request {request_id!r} is already open; free() it before adding it again"
+            )
+        if type(retention) is not int:
+            raise PoolMisuseError(f"retention must be an int, got {retention!r}")
+        if salt is not None and not isinstance(salt, bytes):
+            raise PoolMisuseError(f"salt must be bytes or None, got {salt!r}")
+        tokens = _token_array(token_ids)
+        rec = RequestRecord(
+            request_id,
+            tokens,
+            salt,
+            retention,
+            explicit_hashes=block_hashes is not None,
+            block_hashes=list(block_hashes) if block_hashes is not None else [],
+            num_prompt_tokens=len(tokens),
+        )
+        self._requests[request_id] = rec
+        self._counters.requests_added += 1
+
+    def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> tuple[int, ...]:
+        """Record token ids that became known (sampled outputs, the next prompt chunk).
+
+        Validated full blocks that were waiting for their token ids to be hashed are
+        published now; returns their ids.
+        """
+        rec = self._record(request_id)
+        rec.token_ids.extend(_token_array(token_ids))
+        return self._publish_ready(rec)
+
+    def append_block_hashes(
+        self, request_id: str, block_hashes: Sequence[BlockHash]
+    ) -> tuple[int, ...]:
+        """Extend a request opened with ``block_hashes``; publishes what became ready."""
+        rec = self._record(request_id)
+        if not rec.explicit_hashes:
+            raise PoolMisuseError(
+                f"request {request_id!r} hashes its token ids; use append_tokens()"
+            )
+        rec.block_hashes.extend(block_hashes)
+        return self._publish_ready(rec)
+
+    def lookup(self, request_id: str, *, max_tokens: int | None = None) -> PrefixHit:
+        """The longest prefix of the request whose blocks are PUBLISHED or OFFLOADED.
+
+        Never returns a block whose KV is unvalidated. ``max_tokens`` caps the hit
+        (engines keep at least one prompt token to compute). Takes no reference: pass
+        the hit to :meth:`allocate`, which refuses it if it went stale meanwhile.
+        """
+        rec = self._record(request_id)
+        size = self.block_size
+        limit = len(rec.block_hashes) * size if rec.explicit_hashes else len(rec.token_ids)
+        if max_tokens is not None:
+            _check_count("max_tokens", max_tokens)
+            limit = min(limit, max_tokens)
+        ids: list[int] = []
+        gens: list[int] = []
+        if self.enable_caching:
+            index = self._index
+            blocks = self._blocks
+            for block_hash in self._hash_blocks(rec, limit // size)[: limit // size]:
+                block_id = index.get(block_hash)
+                if block_id is None:
+                    break
+                ids.append(block_id)
+                gens.append(blocks[block_id].generation)
+        counters = self._counters
+        counters.lookups += 1
+        counters.lookup_query_tokens += limit
+        counters.lookup_hit_tokens += len(ids) * size
+        return PrefixHit(request_id, tuple(ids), tuple(gens), len(ids) * size)
+
+    def _check_hit(self, rec: RequestRecord, hit: PrefixHit) -> None:
+        if hit.request_id != rec.request_id:
+            raise PoolMisuseError(
+                f"prefix hit belongs to request {hit.request_id!r}, not {rec.request_id!r}"
+            )
+        if rec.blocks:
+            raise PoolMisuseError(
+                f"request {rec.request_id!r} already holds blocks; a prefix hit is only "
+                "used by its first allocation"
+            )
+        blocks = self._blocks
+        for block_id, generation in zip(hit.block_ids, hit.generations, strict=True):
+            block = blocks[block_id]
+            if block.generation != generation or block.state not in MATCHABLE_STATES:
+                raise StaleHitError(
+                    f"block {block_id} of the prefix hit was evicted or invalidated since "
+                    "lookup(); look the request up again"
+                )
+
+    def can_allocate(
+        self, request_id: str, num_tokens: int, *, hit: PrefixHit | None = None
+    ) -> bool:
+        """True if :meth:`allocate` with the same arguments would find enough blocks."""
+        rec = self._record(request_id)
+        return self._blocks_short(rec, num_tokens, hit) <= 0
+
+    def _blocks_short(self, rec: RequestRecord, num_tokens: int, hit: PrefixHit | None) -> int:
+        """How many more blocks ``allocate`` needs than the free queue can give."""
+        have = len(rec.blocks)
+        pinned = 0
+        if hit is not None:
+            have += len(hit.block_ids)
+            # A hit on an evictable block takes it out of the free queue.
+            blocks = self._blocks
+            pinned = sum(1 for b in hit.block_ids if blocks[b].ref_cnt == 0)
+        need = _cdiv(num_tokens, self.block_size) - have
+        return need - (len(self._free) - pinned)
+
+    def allocate(
+        self, request_id: str, num_tokens: int, *, hit: PrefixHit | None = None
+    ) -> tuple[int, ...]:
+        """Grow the request's block table to hold ``num_tokens`` tokens in total.
+
+        With ``hit`` (first allocation only), the hit's blocks are shared and their
+        tokens count as written and validated. Returns the ids of newly allocated
+        blocks; those that need zeroing are queued for ``take_blocks_to_zero``.
+        Raises :class:`OutOfBlocksError` (changing nothing) when blocks run out.
+        """
+        rec = self._live_record(request_id)
+        _check_count("num_tokens", num_tokens)
+        if hit is not None:
+            self._check_hit(rec, hit)
+            if num_tokens < hit.num_tokens:
+                raise PoolMisuseError(
+                    f"num_tokens={num_tokens} is below the prefix hit's {hit.num_tokens}"
+                )
+        short = self._blocks_short(rec, num_tokens, hit)
+        if short > 0:
+            need = _cdiv(num_tokens, self.block_size) - len(rec.blocks)
+            raise OutOfBlocksError(need, need - short)
+        if hit is not None and hit.block_ids:
+            self._acquire(hit.block_ids, 0)
+            rec.blocks.extend(hit.block_ids)
+            rec.num_written = rec.num_validated = hit.num_tokens
+            rec.publish_cursor = len(hit.block_ids)
+        new = self._take_free(_cdiv(num_tokens, self.block_size) - len(rec.blocks))
+        rec.blocks.extend(new)
+        return tuple(new)
+
+    def write(self, request_id: str, num_tokens: int) -> TokenRange:
+        """Record that a scheduled step writes the request's next ``num_tokens`` tokens.
+
+        The blocks it touches become WRITTEN: not matchable, not storable, until
+        :meth:`validate_step` confirms this step. Returns the step's token range.
+        """
+        rec = self._live_record(request_id)
+        _check_count("num_tokens", num_tokens)
+        if num_tokens == 0:
+            raise PoolMisuseError("a step writes at least one token (num_tokens=0)")
+        size = self.block_size
+        start = rec.num_written
+        end = start + num_tokens
+        if end > len(rec.blocks) * size:
+            raise NotAllocatedError(
+                f"request {request_id!r} holds {len(rec.blocks)} blocks "
+                f"({len(rec.blocks) * size} tokens) but the step writes up to token {end}; "
+                "allocate() first"
+            )
+        blocks = self._blocks
+        table = rec.blocks
+        first = start // size
+        last = (end - 1) // size
+        for i in range(first, last + 1):
+            block = blocks[table[i]]
+            state = block.state
+            if state is not _WRITTEN:
+                # _move(block, WRITE), inlined: this runs for every block of a prompt.
+                new = _WRITE_TO.get(state)
+                if new is None:
+                    raise IllegalTransitionError(block.block_id, state, _WRITE)
+                block.state = new
+        if self.enable_caching:
+            # Blocks this step fills: vLLM 0.33 would publish them now, unvalidated.
+            self._counters.withheld_publications += end // size - start // size
+        rec.num_written = end
+        rec.pending.append(end)
+        return TokenRange(start, end)
+
+    def validate_step(self, request_id: str) -> StepResult:
+        """The request's oldest in-flight step passed: its blocks become VALIDATED, and
+        full hashed ones PUBLISHED (a ``BlockStored`` event is emitted now)."""
+        rec = self._record(request_id)
+        if rec.discarded:
+            return self._discard(rec)
+        if rec.aborted:
+            raise RequestAbortedError(f"request {request_id!r} was aborted; no step is pending")
+        if not rec.pending:
+            raise NoPendingStepError(
+                f"request {request_id!r} has no step in flight to validate; write() records one"
+            )
+        end = rec.pending.popleft()
+        start = rec.num_validated
+        rec.num_validated = end
+        size = self.block_size
+        written = rec.num_written
+        blocks = self._blocks
+        table = rec.blocks
+        for i in range(start // size, (end - 1) // size + 1):
+            block = blocks[table[i]]
+            # Only blocks none of whose written tokens is still in flight.
+            if block.state is _WRITTEN and min((i + 1) * size, written) <= end:
+                block.state = _VALIDATE_FROM_WRITTEN  # _move(block, VALIDATE), inlined
+        self._counters.steps_validated += 1
+        published = self._publish_ready(rec)
+        return StepResult(
+            request_id, StepOutcome.VALIDATED, TokenRange(start, end), end, published=published
+        )
+
+    def _publish_ready(self, rec: RequestRecord) -> tuple[int, ...]:
+        """Publish the request's full, validated, hashable blocks, in prefix order."""
+        size = self.block_size
+        limit = rec.num_validated // size
+        cursor = rec.publish_cursor
+        if cursor >= limit:
+            return ()
+        hashes = self._hash_blocks(rec, limit)
+        stop = min(limit, len(hashes))  # beyond: token ids not known yet
+        blocks = self._blocks
+        table = rec.blocks
+        index = self._index
+        caching = self.enable_caching
+        published_ids: list[int] = []
+        published_hashes: list[BlockHash] = []
+        first_parent: BlockHash | None = None
+        for i in range(cursor, stop):
+            block = blocks[table[i]]
+            if block.state is not _VALIDATED:
+                continue  # a prefix hit (already published) or tainted meanwhile
+            block_hash = hashes[i]
+            parent = hashes[i - 1] if i else None
+            block.block_hash = block_hash
+            block.parent_hash = parent
+            if caching and block_hash not in index:
+                block.state = _PUBLISH_FROM_VALIDATED  # _move(block, PUBLISH), inlined
+                index[block_hash] = block.block_id
+                if not published_ids:
+                    first_parent = parent
+                published_ids.append(block.block_id)
+                published_hashes.append(block_hash)
+        rec.publish_cursor = stop
+        if not published_ids:
+            return ()
+        n = len(published_ids)
+        self._counters.blocks_published += n
+        ids = tuple(published_ids)
+        self._events.append(BlockStored(rec.request_id, tuple(published_hashes), ids, first_parent))
+        return ids
+
+    def _discard(self, rec: RequestRecord) -> StepResult:
+        end = rec.discarded.popleft()
+        return StepResult(
+            rec.request_id, StepOutcome.DISCARDED, TokenRange(end, end), rec.num_validated
+        )
+
+    def fail_step(self, request_id: str) -> StepResult:
+        """The request's oldest in-flight step failed validation: abort the request alone.
+
+        Every block holding a token past the validated boundary is QUARANTINED (never
+        published, never stored, zeroed before reuse); the validated prefix keeps its
+        state. Results of the request's later in-flight steps are discarded when they
+        arrive. Free the request (or roll it back with :meth:`zero_request_tail`).
+        """
+        rec = self._record(request_id)
+        if rec.discarded:
+            return self._discard(rec)
+        if rec.aborted:
+            raise RequestAbortedError(f"request {request_id!r} was aborted; no step is pending")
+        if not rec.pending:
+            raise NoPendingStepError(
+                f"request {request_id!r} has no step in flight to fail; write() records one"
+            )
+        end = rec.pending.popleft()
+        tokens = TokenRange(rec.num_validated, end)
+        blocks = self._blocks
+        quarantined: list[int] = []
+        for block_id in rec.blocks[rec.num_validated // self.block_size :]:
+            block = blocks[block_id]
+            if block.state is _WRITTEN:
+                self._quarantine(block, _FAIL)
+                quarantined.append(block_id)
+        rec.discarded = rec.pending
+        rec.pending = deque()
+        rec.aborted = True
+        counters = self._counters
+        counters.steps_failed += 1
+        counters.requests_aborted += 1
+        ids = tuple(quarantined)
+        self._events.append(RequestAborted(request_id, rec.num_validated, ids))
+        return StepResult(
+            request_id, StepOutcome.FAILED, tokens, rec.num_validated, quarantined=ids
+        )
+
+    def free(self, request_id: str) -> None:
+        """Release every block of the request (finished, aborted or preempted).
+
+        Blocks whose step never got its result are quarantined; published blocks stay
+        matchable as eviction candidates; the rest return to the free queue. Tail
+        blocks are released first so that they are evicted before the shared prefix.
+        """
+        rec = self._record(request_id)
+        del self._requests[request_id]
+        blocks = self._blocks
+        retention = rec.retention
+        cached: list[int] = []
+        released: list[Block] = []
+        for block_id in reversed(rec.blocks):
+            block = blocks[block_id]
+            ref = block.ref_cnt - 1
+            block.ref_cnt = ref
+            if ref:
+                continue
+            if block.state in _STAYS_CACHED:  # the common case, kept inline
+                block.retention = retention
+                cached.append(block_id)
+            else:
+                released.append(block)
+        if cached:
+            self._free.push_evictable_ids(retention, cached)
+        if released:
+            self._drop_last_refs(released, retention)
+
+    def block_table(self, request_id: str) -> tuple[int, ...]:
+        """The request's block ids, in token order."""
+        return tuple(self._record(request_id).blocks)
+
+    def progress(self, request_id: str) -> RequestProgress:
+        """Where the request's write/validate ledger stands."""
+        rec = self._record(request_id)
+        return RequestProgress(
+            request_id,
+            num_blocks=len(rec.blocks),
+            num_written_tokens=rec.num_written,
+            num_validated_tokens=rec.num_validated,
+            num_pending_steps=len(rec.pending) + len(rec.discarded),
+            aborted=rec.aborted,
+        )
+
+    @property
+    def request_ids(self) -> tuple[str, ...]:
+        return tuple(self._requests)

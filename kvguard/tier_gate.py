@@ -1,0 +1,138 @@
+"""The tier gate: only validated blocks are copied to lower tiers, late acks are dropped,
+and hashes found corrupt after the fact are invalidated everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvguard.errors import NotStorableError, UnknownTicketError
+from kvguard.events import BlockRemoved
+from kvguard.hashing import BlockHash
+from kvguard.pool_core import PoolCore
+from kvguard.results import InvalidationReport, StoreTicket
+from kvguard.states import MATCHABLE_STATES, STORABLE_STATES, BlockEvent
+
+
+class TierGate(PoolCore):
+    """Offload admission after validation, store acknowledgements, taint by hash."""
+
+    def storable_blocks(self, request_id: str, tier: str = "default") -> tuple[int, ...]:
+        """The request's blocks that may be copied to ``tier`` now: validated, full,
+        hashed, and not already stored or being stored there."""
+        rec = self._record(request_id)
+        blocks = self._blocks
+        holds = self._tiers.holds
+        out: list[int] = []
+        for block_id in rec.blocks:
+            block = blocks[block_id]
+            if block.state not in STORABLE_STATES or block.block_hash is None:
+                continue
+            if not holds(block.block_hash, tier):
+                out.append(block_id)
+        return tuple(out)
+
+    def begin_store(self, block_id: int, tier: str = "default") -> StoreTicket:
+        """Start copying a validated block to ``tier``; raises unless VALIDATED or later."""
+        block = self._block(block_id)
+        if block.state not in STORABLE_STATES or block.block_hash is None:
+            raise NotStorableError(
+                f"block {block_id} is {block.state.name}"
+                + ("" if block.block_hash is not None else " without a hash")
+                + "; only validated, full, hashed blocks may be stored to a tier"
+            )
+        self._counters.stores_started += 1
+        return self._tiers.issue(block_id, block.block_hash, block.generation, tier)
+
+    def _retire(self, ticket: StoreTicket) -> None:
+        if self._tiers.tickets.get(ticket.ticket_id) != ticket:
+            raise UnknownTicketError(
+                f"store ticket {ticket.ticket_id} is not in flight (acknowledged or failed "
+                "already, or issued by another pool)"
+            )
+        self._tiers.retire(ticket)
+
+    def ack_store(self, ticket: StoreTicket) -> bool:
+        """A tier acknowledged its copy. Returns True if registered (PUBLISHED blocks
+        become OFFLOADED); False if the block was quarantined, invalidated or reused
+        meanwhile — the tier must then discard the copy."""
+        self._retire(ticket)
+        block = self._blocks[ticket.block_id]
+        if (
+            block.generation != ticket.generation
+            or block.block_hash != ticket.block_hash
+            or block.state not in STORABLE_STATES
+        ):
+            self._counters.dropped_acks += 1
+            return False
+        self._move(block, BlockEvent.STORE_ACK)
+        self._tiers.add_copy(ticket.block_hash, block.parent_hash, ticket.tier)
+        self._counters.stores_acknowledged += 1
+        return True
+
+    def fail_store(self, ticket: StoreTicket) -> None:
+        """A tier reported that its copy failed; the block may be offered again."""
+        self._retire(ticket)
+        self._counters.stores_failed += 1
+
+    def forget_tier_copy(self, tier: str, block_hash: BlockHash) -> bool:
+        """A tier evicted its copy on its own; returns False if it held none."""
+        return self._tiers.drop_copy(block_hash, tier)
+
+    def tier_copies(self, block_hash: BlockHash) -> tuple[str, ...]:
+        """Tiers holding an acknowledged copy of ``block_hash``."""
+        return tuple(sorted(self._tiers.copies.get(block_hash, ())))
+
+    def invalidate(
+        self, block_hashes: Iterable[BlockHash], *, descendants: bool = True
+    ) -> InvalidationReport:
+        """Taint hashes found corrupt after the fact.
+
+        Every GPU block carrying one leaves the prefix index and is QUARANTINED; every
+        tier copy is reported for purging. With ``descendants`` (default) blocks chained
+        after a tainted one are tainted too: their KV was computed attending to it.
+        """
+        targets = dict.fromkeys(block_hashes)
+        blocks = self._blocks
+        if descendants:
+            children: dict[BlockHash, list[BlockHash]] = {}
+            for block in blocks:
+                if block.block_hash is not None and block.parent_hash is not None:
+                    children.setdefault(block.parent_hash, []).append(block.block_hash)
+            for child, parent in self._tiers.parents.items():
+                if parent is not None:
+                    children.setdefault(parent, []).append(child)
+            queue = list(targets)
+            while queue:
+                for child in children.get(queue.pop(), ()):
+                    if child not in targets:
+                        targets[child] = None
+                        queue.append(child)
+        dropped: list[int] = []
+        removed_hashes: list[BlockHash] = []
+        removed_ids: list[int] = []
+        for block in blocks:
+            block_hash = block.block_hash
+            if block_hash is None or block_hash not in targets:
+                continue
+            if block.state in MATCHABLE_STATES:
+                del self._index[block_hash]
+                removed_hashes.append(block_hash)
+                removed_ids.append(block.block_id)
+                if block.ref_cnt == 0:
+                    self._free.remove_evictable(block)
+            self._quarantine(block, BlockEvent.INVALIDATE)
+            if block.ref_cnt == 0:
+                self._free.push(block)
+            dropped.append(block.block_id)
+        tier_copies = [
+            (tier, block_hash) for block_hash in targets for tier in self._tiers.purge(block_hash)
+        ]
+        dropped_set = set(dropped)
+        requests = tuple(
+            rid for rid, rec in self._requests.items() if dropped_set.intersection(rec.blocks)
+        )
+        if removed_ids:
+            self._events.append(BlockRemoved(tuple(removed_hashes), tuple(removed_ids)))
+        self._counters.hashes_invalidated += len(targets)
+        return InvalidationReport(tuple(targets), tuple(dropped), tuple(tier_copies), requests)
