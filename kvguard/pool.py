@@ -33,7 +33,7 @@ from kvguard.block import BlockInfo
 from kvguard.block_steps import BlockSteps
 from kvguard.errors import PoolMisuseError
 from kvguard.events import AllBlocksCleared, PoolEvent
-from kvguard.hashing import BlockHasher, default_block_hasher
+from kvguard.hashing import BlockHash, BlockHasher, default_block_hasher
 from kvguard.invariants import PoolSnapshot, check_pool, take_snapshot
 from kvguard.pool_core import _EVICT
 from kvguard.recovery import Recovery
@@ -158,6 +158,10 @@ class BlockPool(RequestSteps, Recovery, BlockSteps, TierGate):
     def block_state(self, block_id: int) -> BlockState:
         """The block's state alone (no snapshot object: for per-step hot paths)."""
         return self._block(block_id).state
+
+    def block_hash(self, block_id: int) -> BlockHash | None:
+        """The block's hash alone (None unless validated, full and hashed)."""
+        return self._block(block_id).block_hash
 
     def get_num_free_blocks(self) -> int:
         """Blocks an allocation can take now (free, quarantined and evictable)."""

@@ -490,3 +490,13 @@ def test_zero_request_tail_never_keeps_a_tainted_prefix() -> None:
     rollback = pool.zero_request_tail("a", 4)  # the whole tainted block goes
     assert rollback.num_tokens == 12
     assert states(pool, "a") == [S.PUBLISHED] * 3 + [S.ALLOCATED]
+
+
+def test_cheap_accessors_agree_with_block_info() -> None:
+    pool = make_pool(8, 4)
+    publish(pool, "a", PROMPT)
+    for block_id in range(8):
+        info = pool.block_info(block_id)
+        assert pool.block_state(block_id) is info.state
+        assert pool.block_hash(block_id) == info.block_hash
+    assert pool.block_hash(pool.block_table("a")[0]) == hash_block_tokens(PROMPT, 4)[0]

@@ -399,7 +399,7 @@ class GuardedBlockPool(BlockPool):
                 f"Invalid block_id {block_id} >= {len(self.blocks)}: the KV connector "
                 "reported a block the scheduler never allocated"
             )
-            key = core.block_info(block_id).block_hash
+            key = core.block_hash(block_id)
             if key is not None:
                 hashes.append(key)
             self._forget_vllm_hash(self.blocks[block_id])

@@ -116,7 +116,7 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
         core = pool.core
         assert core is not None
         state = core.block_state
-        info = core.block_info
+        block_hash = core.block_hash
         blocks_per_chunk = self.config.blocks_per_chunk
         request = req_status.req
         limit: int | None = None
@@ -135,7 +135,7 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
                 if not block_id or state(block_id) not in STORABLE_STATES:
                     break
                 key = BlockHash(make_block_hash_with_group_id(hashes[n], group_id))
-                if info(block_id).block_hash != key:
+                if block_hash(block_id) != key:
                     break  # reused for other tokens since this request held it
                 n += 1
             tokens = n * block_size
