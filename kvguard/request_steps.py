@@ -247,16 +247,9 @@ class RequestSteps(PoolCore):
     def validate_step(self, request_id: str) -> StepResult:
         """The request's oldest in-flight step passed: its blocks become VALIDATED, and
         full hashed ones PUBLISHED (a ``BlockStored`` event is emitted now)."""
-        rec = self._record(request_id)
-        if rec.discarded:
+        rec, end = self._next_result(request_id, "validate")
+        if end is None:
             return self._discard(rec)
-        if rec.aborted:
-            raise RequestAbortedError(f"request {request_id!r} was aborted; no step is pending")
-        if not rec.pending:
-            raise NoPendingStepError(
-                f"request {request_id!r} has no step in flight to validate; write() records one"
-            )
-        end = rec.pending.popleft()
         start = rec.num_validated
         rec.num_validated = end
         size = self.block_size
@@ -314,6 +307,21 @@ class RequestSteps(PoolCore):
         self._events.append(BlockStored(rec.request_id, tuple(published_hashes), ids, first_parent))
         return ids
 
+    def _next_result(self, request_id: str, verb: str) -> tuple[RequestRecord, int | None]:
+        """The request and the end of the step this result is for (its oldest in
+        flight), taken off the ledger; None when the result is to be discarded (the
+        step was in flight when the request aborted)."""
+        rec = self._record(request_id)
+        if rec.discarded:
+            return rec, None
+        if rec.aborted:
+            raise RequestAbortedError(f"request {request_id!r} was aborted; no step is pending")
+        if not rec.pending:
+            raise NoPendingStepError(
+                f"request {request_id!r} has no step in flight to {verb}; write() records one"
+            )
+        return rec, rec.pending.popleft()
+
     def _discard(self, rec: RequestRecord) -> StepResult:
         end = rec.discarded.popleft()
         return StepResult(
@@ -328,16 +336,9 @@ class RequestSteps(PoolCore):
         state. Results of the request's later in-flight steps are discarded when they
         arrive. Free the request (or roll it back with :meth:`zero_request_tail`).
         """
-        rec = self._record(request_id)
-        if rec.discarded:
+        rec, end = self._next_result(request_id, "fail")
+        if end is None:
             return self._discard(rec)
-        if rec.aborted:
-            raise RequestAbortedError(f"request {request_id!r} was aborted; no step is pending")
-        if not rec.pending:
-            raise NoPendingStepError(
-                f"request {request_id!r} has no step in flight to fail; write() records one"
-            )
-        end = rec.pending.popleft()
         tokens = TokenRange(rec.num_validated, end)
         blocks = self._blocks
         quarantined: list[int] = []

@@ -57,6 +57,8 @@ def triton_next_pow2(n: int) -> int:
 
 
 if HAS_TRITON:
+    # The Triton twin of INT_VIEW, for the kernels' WORD/BITS constexpr arguments.
+    TRITON_INT: dict[int, object] = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
 
     @triton.jit  # type: ignore[untyped-decorator]
     def split_item(

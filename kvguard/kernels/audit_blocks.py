@@ -26,7 +26,7 @@ from kvguard.kernels.layout import KVCacheLayout, Region, checked_ids
 __all__ = ["audit_blocks", "audit_blocks_ref"]
 
 if HAS_TRITON:
-    from kvguard.kernels._addressing import split_item
+    from kvguard.kernels._addressing import TRITON_INT, split_item
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _audit_blocks_kernel(
@@ -111,7 +111,7 @@ def _launch_audit_blocks(
         t2,
         region.inner,
         num_chunks,
-        BITS={1: tl.int8, 2: tl.int16, 4: tl.int32}[dtype.itemsize],
+        BITS=TRITON_INT[dtype.itemsize],
         EXP_MASK=NONFINITE_BITS[dtype][0],
         BLOCK=block,
     )

@@ -27,7 +27,7 @@ from kvguard.kernels.layout import KVCacheLayout, Region, checked_ids
 __all__ = ["zero_blocks", "zero_blocks_ref"]
 
 if HAS_TRITON:
-    from kvguard.kernels._addressing import split_item
+    from kvguard.kernels._addressing import TRITON_INT, split_item
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _zero_blocks_kernel(
@@ -90,7 +90,7 @@ def _launch_zero_blocks(
     num_chunks = -(-region.inner // block)
     (s0, t0), (s1, t1), (s2, t2) = region.outer
     num_items = ids.numel() * table.numel() * s0 * s1 * s2 * num_chunks
-    word = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}[word_bytes]
+    word = TRITON_INT[word_bytes]
     _zero_blocks_kernel[launch_grid(num_items, max_programs)](
         table,
         ids,

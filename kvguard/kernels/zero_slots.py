@@ -32,7 +32,7 @@ from kvguard.results import SlotRange
 __all__ = ["slot_ids", "zero_slots", "zero_slots_ref"]
 
 if HAS_TRITON:
-    from kvguard.kernels._addressing import split_item
+    from kvguard.kernels._addressing import TRITON_INT, split_item
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _zero_slots_kernel(
@@ -144,7 +144,7 @@ def _launch_zero_slots(
         t2,
         region.inner,
         num_chunks,
-        WORD={1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}[word_bytes],
+        WORD=TRITON_INT[word_bytes],
         BLOCK=block,
     )
 
