@@ -7,8 +7,8 @@ Three tiers, taken in this order:
 3. evictable cached blocks (PUBLISHED/OFFLOADED, ref 0) — least recently released
    first within the lowest retention class, so hot prefixes survive longest.
 
-Runtime complexity: push, pop and remove are O(1) (O(log r) with r distinct retention
-classes in use, usually one).
+Runtime complexity: push and remove are O(1) and take(n) is O(n), each times O(log r)
+with r distinct retention classes in use (usually one).
 """
 
 from __future__ import annotations
@@ -88,8 +88,9 @@ class FreeQueue:
         self._num_evictable += len(block_ids)
 
     def take_empty(self, n: int) -> list[int] | None:
-        """The next ``n`` ids in :meth:`pop` order when they are all FREE blocks (no
-        quarantined block waiting, enough empty ones); else None and nothing taken."""
+        """The fast path of :meth:`take`: the next ``n`` ids when they are all FREE
+        blocks (no quarantined block waiting, enough empty ones); else None and nothing
+        taken."""
         empty = self._empty
         if self._quarantined or len(empty) < n:
             return None
@@ -99,7 +100,7 @@ class FreeQueue:
         return ids
 
     def take(self, n: int) -> tuple[list[int], list[int], list[int]]:
-        """The next ``n`` ids in :meth:`pop` order, split into (quarantined, empty,
+        """Take the next ``n`` ids in hand-out order, split into (quarantined, empty,
         evicted); the caller checked ``n <= len(self)``."""
         quarantined = self._quarantined
         k = min(n, len(quarantined))
@@ -131,19 +132,6 @@ class FreeQueue:
         if not bucket:
             del self._evictable[block.retention]
         self._num_evictable -= 1
-
-    def pop(self) -> int:
-        """The next block id to hand out; the caller checks ``len(self)`` first."""
-        if self._quarantined:
-            return self._quarantined.pop()
-        if self._empty:
-            return self._empty.pop()
-        retention, bucket = self._evictable.peekitem(0)
-        block_id: int = bucket.popitem(last=False)[0]
-        if not bucket:
-            del self._evictable[retention]
-        self._num_evictable -= 1
-        return block_id
 
     def snapshot(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         """(quarantined, empty, evictable-in-eviction-order), for checks and tests."""
