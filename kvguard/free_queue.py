@@ -49,11 +49,7 @@ class FreeQueue:
         elif state is _FREE:
             self._empty.append(block.block_id)
         else:
-            bucket = self._evictable.get(block.retention)
-            if bucket is None:
-                bucket = self._evictable[block.retention] = OrderedDict()
-            bucket[block.block_id] = None
-            self._num_evictable += 1
+            self.push_evictable([block])
 
     def push_all_empty(self, block_ids: list[int]) -> None:
         """Enqueue FREE blocks so that ``block_ids[0]`` is handed out first."""
@@ -63,25 +59,27 @@ class FreeQueue:
         """Enqueue FREE blocks (batched :meth:`push`)."""
         self._empty.extend(block_ids)
 
+    def _class(self, retention: int) -> OrderedDict[int, None]:
+        """The eviction queue of one retention class, created on first use."""
+        bucket = self._evictable.get(retention)
+        if bucket is None:
+            bucket = self._evictable[retention] = OrderedDict()
+        return bucket
+
     def push_evictable(self, blocks: list[Block]) -> None:
         """Enqueue cached blocks, ``blocks[0]`` to be evicted first (batched :meth:`push`)."""
-        evictable = self._evictable
         key: int | None = None
         bucket: OrderedDict[int, None] | None = None
         for block in blocks:
             if bucket is None or block.retention != key:
                 key = block.retention
-                bucket = evictable.get(key)
-                if bucket is None:
-                    bucket = evictable[key] = OrderedDict()
+                bucket = self._class(key)
             bucket[block.block_id] = None
         self._num_evictable += len(blocks)
 
     def push_evictable_ids(self, retention: int, block_ids: list[int]) -> None:
         """Enqueue cached blocks of one retention class, ``block_ids[0]`` evicted first."""
-        bucket = self._evictable.get(retention)
-        if bucket is None:
-            bucket = self._evictable[retention] = OrderedDict()
+        bucket = self._class(retention)
         # A plain loop: OrderedDict.update() is about twice as slow here.
         for block_id in block_ids:
             bucket[block_id] = None
