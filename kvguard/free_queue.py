@@ -61,7 +61,7 @@ class FreeQueue:
 
     def _class(self, retention: int) -> OrderedDict[int, None]:
         """The eviction queue of one retention class, created on first use."""
-        bucket = self._evictable.get(retention)
+        bucket: OrderedDict[int, None] | None = self._evictable.get(retention)
         if bucket is None:
             bucket = self._evictable[retention] = OrderedDict()
         return bucket
