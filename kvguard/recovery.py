@@ -26,6 +26,10 @@ class Recovery(PoolCore):
         block keeps its valid prefix). The request's in-flight steps past the new
         boundary are forgotten: their results must not be delivered. A request aborted
         by a failed step is revived. Published (shared) blocks are never rolled back.
+
+        Token ids past the boundary that the request generated are dropped (it will
+        generate them again); a request opened with caller-supplied ``block_hashes``
+        keeps its hash list, so its caller must not resume with different tokens.
         """
         rec = self._record(request_id)
         old = rec.num_written
