@@ -31,8 +31,10 @@ from kvguard.hashing import BlockHash, BlockHasher, default_block_hasher, hash_b
 from kvguard.invariants import PoolSnapshot
 from kvguard.pool import BlockPool
 from kvguard.results import (
+    BlockValidation,
     InvalidationReport,
     PrefixHit,
+    PublishOutcome,
     RequestProgress,
     SlotRange,
     StepOutcome,
@@ -58,6 +60,7 @@ __all__ = [
     "BlockRemoved",
     "BlockState",
     "BlockStored",
+    "BlockValidation",
     "CorruptionError",
     "Counters",
     "DoubleFreeError",
@@ -76,6 +79,7 @@ __all__ = [
     "PoolSnapshot",
     "PoolStats",
     "PrefixHit",
+    "PublishOutcome",
     "RequestAborted",
     "RequestAbortedError",
     "RequestProgress",
