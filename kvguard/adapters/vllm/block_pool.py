@@ -142,11 +142,14 @@ class GuardedBlockPool(BlockPool):
         result = self.core.validate_blocks(block_ids)
         deferred = self._deferred
         if deferred:
+            pop = deferred.pop
             blocks = self.blocks
-            for block_id in result.published + result.duplicates:
-                pending = deferred.pop(block_id, None)
-                if pending is not None:
-                    self._mirror_publication(blocks[block_id], *pending)
+            mirror = self._mirror_publication
+            for done in (result.published, result.duplicates):
+                for block_id in done:
+                    pending = pop(block_id, None)
+                    if pending is not None:
+                        mirror(blocks[block_id], *pending)
         return result
 
     def settle_tail(self, block_lists: Iterable[Sequence[KVCacheBlock]]) -> None:
@@ -221,35 +224,33 @@ class GuardedBlockPool(BlockPool):
         if num_cached_blocks >= num_full_blocks:
             return
         hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size, block_size)
+        # make_block_hash_with_group_id(h, g) is h + g's 4 big-endian bytes (inlined:
+        # BlockHash/BlockHashWithGroupId are NewTypes, i.e. calls that return their arg).
+        suffix = kv_cache_group_id.to_bytes(4, "big", signed=False)
         parent: BlockHash | None = None
         if num_cached_blocks:
-            parent = BlockHash(
-                make_block_hash_with_group_id(hashes[num_cached_blocks - 1], kv_cache_group_id)
-            )
+            parent = hashes[num_cached_blocks - 1] + suffix
         owner = request.request_id
+        publish = core.publish_block
+        deferred_outcome = PublishOutcome.DEFERRED
+        deferred = self._deferred
         filled: list[int] | None = None
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
-            key = BlockHash(make_block_hash_with_group_id(hashes[i], kv_cache_group_id))
-            masked = block_mask is not None and not block_mask[i - num_cached_blocks]
-            if not block.is_null and not masked:
+            key: BlockHash = hashes[i] + suffix
+            if not block.is_null and (block_mask is None or block_mask[i - num_cached_blocks]):
+                block_id = block.block_id
                 try:
-                    outcome = core.publish_block(block.block_id, key, parent, owner=owner)
+                    outcome = publish(block_id, key, parent, owner=owner)
                 except IllegalTransitionError:
                     pass  # quarantined by a failed step: never published
                 else:
-                    if outcome is PublishOutcome.DEFERRED:
+                    if outcome is deferred_outcome:
                         # Filled by the step being scheduled: published when it validates.
-                        self._deferred[block.block_id] = (
-                            request,
-                            i,
-                            block_size,
-                            kv_cache_group_id,
-                            key,
-                        )
+                        deferred[block_id] = (request, i, block_size, kv_cache_group_id, key)
                         if filled is None:
                             filled = self._fills.setdefault(owner, [])
-                        filled.append(block.block_id)
+                        filled.append(block_id)
                     else:
                         self._mirror_publication(
                             block, request, i, block_size, kv_cache_group_id, key
@@ -267,9 +268,11 @@ class GuardedBlockPool(BlockPool):
     ) -> None:
         """kvguard published (or holds a duplicate of) ``block``: give vLLM's view its
         hash and emit vLLM's ``BlockStored`` now, after validation."""
-        if block.block_hash is not None:
+        if block._block_hash is not None:
             return
-        block.set_block_hash(BlockHashWithGroupId(key), num_tokens=(index + 1) * block_size)
+        # KVCacheBlock.set_block_hash, inlined (its assert is the check above).
+        block._block_hash = key  # a BlockHashWithGroupId: kvguard keys are vLLM's keys
+        block._block_hash_num_tokens = (index + 1) * block_size
         if not self.enable_kv_cache_events:
             return
         start = index * block_size
@@ -329,7 +332,7 @@ class GuardedBlockPool(BlockPool):
             self._notify_reuse(ret)
         collector = self.metrics_collector
         for block in ret:
-            if block.block_hash is not None:  # an evicted cached block
+            if block._block_hash is not None:  # an evicted cached block
                 if collector:
                     collector.on_block_evicted(block)
                 self._forget_vllm_hash(block)
