@@ -259,7 +259,9 @@ class BlockSteps(PoolCore):
         """
         if not self.enable_caching:
             raise PoolMisuseError("publish_block() needs a pool with enable_caching=True")
-        block = self._block(block_id)
+        if type(block_id) is not int or not 0 <= block_id < self.num_blocks:
+            self._block(block_id)  # raises UnknownBlockError
+        block = self._blocks[block_id]
         state = block.state
         if state in MATCHABLE_STATES:
             if block.block_hash != block_hash:

@@ -38,7 +38,6 @@ from vllm.v1.core.kv_cache_utils import (  # noqa: E402
     KVCacheBlock,
     get_block_hash,
     get_group_id,
-    make_block_hash_with_group_id,
     maybe_convert_block_hash,
     resolve_block_hashes,
 )
@@ -190,8 +189,8 @@ class GuardedBlockPool(BlockPool):
             return super().get_cached_block(block_hash, kv_cache_group_ids)
         out = []
         for group_id in kv_cache_group_ids:
-            key = make_block_hash_with_group_id(block_hash, group_id)
-            block_id = core.cached_block_id(BlockHash(key))
+            # make_block_hash_with_group_id, inlined (BlockHash is a NewType).
+            block_id = core.cached_block_id(block_hash + group_id.to_bytes(4, "big", signed=False))
             if block_id is None:
                 return None
             out.append(self.blocks[block_id])
