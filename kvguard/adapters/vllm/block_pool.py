@@ -144,11 +144,19 @@ class GuardedBlockPool(BlockPool):
             pop = deferred.pop
             blocks = self.blocks
             mirror = self._mirror_publication
+            events = self.enable_kv_cache_events
             for done in (result.published, result.duplicates):
                 for block_id in done:
                     pending = pop(block_id, None)
-                    if pending is not None:
-                        mirror(blocks[block_id], *pending)
+                    if pending is None:
+                        continue
+                    block = blocks[block_id]
+                    if events:
+                        mirror(block, *pending)
+                    elif block._block_hash is None:
+                        # _mirror_publication without events, inlined.
+                        block._block_hash = pending[4]
+                        block._block_hash_num_tokens = (pending[1] + 1) * pending[2]
         return result
 
     def settle_tail(self, block_lists: Iterable[Sequence[KVCacheBlock]]) -> None:
@@ -330,11 +338,16 @@ class GuardedBlockPool(BlockPool):
         if self._reuse_watchers:
             self._notify_reuse(ret)
         collector = self.metrics_collector
+        events = self.enable_kv_cache_events
         for block in ret:
             if block._block_hash is not None:  # an evicted cached block
                 if collector:
                     collector.on_block_evicted(block)
-                self._forget_vllm_hash(block)
+                if events:
+                    self._forget_vllm_hash(block)
+                else:  # KVCacheBlock.reset_hash, inlined
+                    block._block_hash = None
+                    block._block_hash_num_tokens = None
             assert block.ref_cnt == 0, f"block {block.block_id} handed out while referenced"
             block.ref_cnt = 1
             if collector:
@@ -362,28 +375,30 @@ class GuardedBlockPool(BlockPool):
             super().free_blocks(ordered_blocks)
             return
         ids: list[int] = []
-        last: list[int] = []  # blocks whose last reference goes
+        live: list[KVCacheBlock] = []
         other_pools: dict[Any, list[KVCacheBlock]] = {}
         for block in ordered_blocks:
             if block.is_null:
                 continue
-            if block.pool is not None and block.pool is not self:
-                other_pools.setdefault(block.pool, []).append(block)
+            pool = block.pool
+            if pool is not None and pool is not self:
+                other_pools.setdefault(pool, []).append(block)
                 continue
             ids.append(block.block_id)
-            if block.ref_cnt == 1:
-                last.append(block.block_id)
+            live.append(block)
         # Released blocks whose step never validated are quarantined by kvguard here
         # (it raises, changing nothing, on a double free).
         core.release_blocks(ids)
-        blocks = self.blocks
-        for block_id in ids:
-            blocks[block_id].ref_cnt -= 1
-        self._num_free += len(last)
         deferred = self._deferred
-        if deferred:
-            for block_id in last:
-                deferred.pop(block_id, None)
+        num_last = 0  # blocks whose last reference went
+        for block in live:
+            ref = block.ref_cnt - 1
+            block.ref_cnt = ref
+            if not ref:
+                num_last += 1
+                if deferred:
+                    deferred.pop(block.block_id, None)
+        self._num_free += num_last
         for pool, others in other_pools.items():
             pool.free_blocks(others)
 
