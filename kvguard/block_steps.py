@@ -40,16 +40,28 @@ from kvguard.states import MATCHABLE_STATES
 class BlockSteps(PoolCore):
     """The block-level API: the caller keeps its own block tables and names blocks."""
 
-    def allocate_blocks(self, num_blocks: int) -> list[int]:
+    def allocate_blocks(self, num_blocks: int, *, write: bool = False) -> list[int]:
         """Hand out ``num_blocks`` blocks to a caller that keeps its own block tables.
 
         Block-level holders (vLLM-style managers) release them with
         :meth:`release_blocks`; the write/validate ledger is per request and does not
         apply to them, so they never become matchable.
+
+        ``write=True`` is ``allocate_blocks`` followed by :meth:`write_blocks` on the
+        blocks handed out, in one call: they come back WRITTEN by one step.
         """
         if type(num_blocks) is not int or num_blocks < 0:
             _check_count("num_blocks", num_blocks)
-        return self._take_free(num_blocks, 1)
+        ids = self._take_free(num_blocks, 1)
+        if write:
+            # ALLOCATED --WRITE--> WRITTEN for fresh, distinct, block-level-held blocks
+            # (write_blocks' fast path, inlined; they carry no hash).
+            blocks = self._blocks
+            for block_id in ids:
+                block = blocks[block_id]
+                block.state = _WRITTEN_FROM_ALLOCATED
+                block.writers = 1
+        return ids
 
     def acquire_blocks(self, block_ids: Iterable[int]) -> None:
         """Take a block-level reference on cached (PUBLISHED/OFFLOADED) blocks."""

@@ -256,3 +256,21 @@ def test_snapshot_sees_writers_and_pending_publication() -> None:
     after = pool.snapshot()
     assert after != before
     assert after.blocks[a][3] == 1 and after.blocks[a][4] == (H1, None, "r")
+
+
+def test_allocate_blocks_write_is_allocate_then_write_blocks() -> None:
+    pool = _pool()
+    other = _pool()
+    ids = pool.allocate_blocks(3, write=True)
+    expected = other.allocate_blocks(3)
+    other.write_blocks(expected)
+    assert ids == expected
+    for block_id in ids:
+        assert _state(pool, block_id) is BlockState.WRITTEN
+        assert pool.block_info(block_id) == other.block_info(block_id)
+    assert pool.allocate_blocks(0, write=True) == []
+    pool.publish_block(ids[0], H1, owner="r")
+    assert pool.validate_blocks(ids).published == (ids[0],)
+    with pytest.raises(NoPendingStepError):  # one step each, like write_blocks
+        pool.validate_blocks([ids[1]])
+    pool.check_invariants()

@@ -326,12 +326,11 @@ class GuardedBlockPool(BlockPool):
         if core is None:
             return super().get_new_blocks(num_blocks)
         try:
-            ids = core.allocate_blocks(num_blocks)
+            # WRITTEN: handed out because the step being scheduled writes them (or a
+            # connector loads KV into them), unvalidated until the step that fills them.
+            ids = core.allocate_blocks(num_blocks, write=True)
         except OutOfBlocksError:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool") from None
-        # Handed out because the step being scheduled writes them (or a connector
-        # loads KV into them): unvalidated until the step that fills them passes.
-        core.write_blocks(ids)
         self._num_free -= num_blocks
         blocks = self.blocks
         ret = [blocks[i] for i in ids]
