@@ -24,7 +24,6 @@ from kvguard.pool_core import (
     _FAIL,
     _FREE,
     _PUBLISH,
-    _PUBLISH_FROM_VALIDATED,
     _VALIDATE_FROM_WRITTEN,
     _VALIDATED,
     _WRITE,
@@ -201,8 +200,6 @@ class BlockSteps(PoolCore):
         validated: list[int] = []
         published: list[int] = []
         duplicates: list[int] = []
-        index = self._index
-        events = self._events
         for block_id in ids:
             block = blocks[block_id]
             block.writers -= 1
@@ -214,19 +211,10 @@ class BlockSteps(PoolCore):
             pending = block.pending_publication
             if pending is not None:
                 block.pending_publication = None
-                # _publish_one, inlined (VALIDATED --PUBLISH--> PUBLISHED).
-                block_hash, parent_hash, owner = pending
-                block.block_hash = block_hash
-                block.parent_hash = parent_hash
-                if block_hash in index:
+                if self._publish_one(block, *pending):
+                    published.append(block_id)
+                else:
                     duplicates.append(block_id)
-                    continue
-                block.state = _PUBLISH_FROM_VALIDATED
-                index[block_hash] = block_id
-                events.append(BlockStored(owner, (block_hash,), (block_id,), parent_hash))
-                published.append(block_id)
-        if published:
-            self._counters.blocks_published += len(published)
         return BlockValidation(tuple(validated), tuple(published), tuple(duplicates))
 
     @staticmethod
