@@ -66,6 +66,17 @@ class PoolMachine(RuleBasedStateMachine):
         for slot in self.pool.take_slots_to_zero():
             self.dirty.discard(slot.block_id)
 
+    def _written(self, rid: str, start: int, end: int) -> None:
+        """A step of ``rid`` writes tokens [start, end): its blocks hold unvalidated bytes."""
+        table = self.pool.block_table(rid)
+        for i in range(start // BLOCK, (end - 1) // BLOCK + 1):
+            self.unvalidated[table[i]].add((rid, end))
+
+    def _validated(self, rid: str, end: int) -> None:
+        """Every step of ``rid`` ending at or before ``end`` passed."""
+        for writes in self.unvalidated.values():
+            writes -= {w for w in writes if w[0] == rid and w[1] <= end}
+
     def _abandon(self, rid: str) -> None:
         """Writes of ``rid`` that can no longer be validated leave dirty bytes."""
         for block_id, writes in self.unvalidated.items():
@@ -114,9 +125,7 @@ class PoolMachine(RuleBasedStateMachine):
         except PoolMisuseError:
             assert pool.snapshot() == before
             return
-        table = pool.block_table(rid)
-        for i in range(tokens.start // BLOCK, (tokens.end - 1) // BLOCK + 1):
-            self.unvalidated[table[i]].add((rid, tokens.end))
+        self._written(rid, tokens.start, tokens.end)
 
     @precondition(lambda self: self.pool.request_ids)
     @rule(data=st.data(), ok=st.booleans())
@@ -130,8 +139,7 @@ class PoolMachine(RuleBasedStateMachine):
             assert pool.snapshot() == before
             return
         if result.outcome is StepOutcome.VALIDATED:
-            for writes in self.unvalidated.values():
-                writes -= {w for w in writes if w[0] == rid and w[1] <= result.tokens.end}
+            self._validated(rid, result.tokens.end)
             for block_id in result.published:
                 assert not self.unvalidated[block_id]
         elif result.outcome is StepOutcome.FAILED:
@@ -171,14 +179,10 @@ class PoolMachine(RuleBasedStateMachine):
             # It ran: it must have been a legal call on an open request; undo nothing,
             # but keep the shadow model honest about what was written.
             if fn == pool.write:
-                tokens_end = pool.progress(rid).num_written_tokens
-                table = pool.block_table(rid)
-                for i in range((tokens_end - n) // BLOCK, (tokens_end - 1) // BLOCK + 1):
-                    self.unvalidated[table[i]].add((rid, tokens_end))
+                end = pool.progress(rid).num_written_tokens
+                self._written(rid, end - n, end)
             elif fn == pool.validate_step:
-                end = pool.progress(rid).num_validated_tokens
-                for writes in self.unvalidated.values():
-                    writes -= {w for w in writes if w[0] == rid and w[1] <= end}
+                self._validated(rid, pool.progress(rid).num_validated_tokens)
             elif fn == pool.fail_step:
                 self._abandon(rid)
 
