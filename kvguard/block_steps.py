@@ -24,6 +24,7 @@ from kvguard.pool_core import (
     _FAIL,
     _FREE,
     _PUBLISH,
+    _PUBLISH_FROM_VALIDATED,
     _VALIDATE_FROM_WRITTEN,
     _VALIDATED,
     _WRITE,
@@ -285,10 +286,11 @@ class BlockSteps(PoolCore):
         block.parent_hash = parent_hash
         if block_hash in self._index:
             return False
-        self._move(block, _PUBLISH)
+        block.state = _PUBLISH_FROM_VALIDATED  # _move(block, PUBLISH); callers checked VALIDATED
         self._index[block_hash] = block.block_id
         self._counters.blocks_published += 1
-        self._events.append(BlockStored(owner, (block_hash,), (block.block_id,), parent_hash))
+        if self.record_events:
+            self._events.append(BlockStored(owner, (block_hash,), (block.block_id,), parent_hash))
         return True
 
     def cached_block_id(self, block_hash: BlockHash) -> int | None:

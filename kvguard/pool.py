@@ -26,10 +26,10 @@ import dataclasses
 import functools
 import os
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
-from kvguard.block import BlockInfo
+from kvguard.block import Block, BlockInfo
 from kvguard.block_steps import BlockSteps
 from kvguard.errors import PoolMisuseError
 from kvguard.events import AllBlocksCleared, PoolEvent
@@ -81,6 +81,12 @@ class BlockPool(RequestSteps, Recovery, BlockSteps, TierGate):
     ``enable_caching`` turns the prefix index on (validated full blocks are published);
     ``zero_policy`` chooses which reused blocks the engine must zero (default: only
     suspect ones); ``hasher`` replaces the default chained BLAKE2b block hasher.
+    ``record_events=False`` stops filling :meth:`take_events` (for engines that build
+    their own events and never drain kvguard's). ``block_type`` is the class of the
+    pool's block records, a subclass of :class:`~kvguard.block.Block` that may carry an
+    engine's own fields, so that the engine reads reference counts, hashes and states
+    from kvguard's records instead of keeping copies (the vLLM adapter's blocks are
+    what vLLM reads as its ``KVCacheBlock`` objects).
     """
 
     def __init__(
@@ -91,6 +97,8 @@ class BlockPool(RequestSteps, Recovery, BlockSteps, TierGate):
         enable_caching: bool = True,
         zero_policy: ZeroPolicy = ZeroPolicy.SUSPECT,
         hasher: BlockHasher = default_block_hasher,
+        record_events: bool = True,
+        block_type: type[Block] = Block,
         check_invariants: bool | None = None,
     ) -> None:
         super().__init__(
@@ -99,6 +107,8 @@ class BlockPool(RequestSteps, Recovery, BlockSteps, TierGate):
             enable_caching=enable_caching,
             zero_policy=zero_policy,
             hasher=hasher,
+            record_events=record_events,
+            block_type=block_type,
         )
         if check_invariants is None:
             check_invariants = os.environ.get(CHECK_INVARIANTS_ENV, "") not in ("", "0")
@@ -135,7 +145,8 @@ class BlockPool(RequestSteps, Recovery, BlockSteps, TierGate):
             block.parent_hash = None
             self._free.push(block)
         self._index.clear()
-        self._events.append(AllBlocksCleared())
+        if self.record_events:
+            self._events.append(AllBlocksCleared())
         return True
 
     def take_blocks_to_zero(self) -> list[int]:
@@ -151,6 +162,16 @@ class BlockPool(RequestSteps, Recovery, BlockSteps, TierGate):
         events = self._events
         self._events = []
         return events
+
+    @property
+    def block_records(self) -> Sequence[Block]:
+        """The pool's block records, indexed by block id (of ``block_type``).
+
+        For engines that read fields off them in their hot paths (the vLLM adapter
+        hands them to vLLM as its blocks). Read-only by contract: kvguard writes them;
+        :meth:`block_info` is the checked, snapshot way to look at one block.
+        """
+        return self._blocks
 
     def block_info(self, block_id: int) -> BlockInfo:
         return BlockInfo.of(self._block(block_id))

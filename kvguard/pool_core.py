@@ -100,6 +100,8 @@ class PoolCore:
         enable_caching: bool = True,
         zero_policy: ZeroPolicy = ZeroPolicy.SUSPECT,
         hasher: BlockHasher = default_block_hasher,
+        record_events: bool = True,
+        block_type: type[Block] = Block,
     ) -> None:
         if type(num_blocks) is not int or num_blocks < 1:
             raise PoolMisuseError(f"num_blocks must be a positive int, got {num_blocks!r}")
@@ -107,12 +109,17 @@ class PoolCore:
             raise PoolMisuseError(f"block_size must be a positive int, got {block_size!r}")
         if not isinstance(zero_policy, ZeroPolicy):
             raise PoolMisuseError(f"zero_policy must be a ZeroPolicy, got {zero_policy!r}")
+        if not (isinstance(block_type, type) and issubclass(block_type, Block)):
+            raise PoolMisuseError(f"block_type must be a subclass of Block, got {block_type!r}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.zero_policy = zero_policy
         self._hasher = hasher
-        self._blocks = [Block(i) for i in range(num_blocks)]
+        # False: an engine that never drains take_events() (it builds its own) does not
+        # pay for event objects on every publication and eviction.
+        self.record_events = record_events
+        self._blocks = [block_type(i) for i in range(num_blocks)]
         self._free = FreeQueue()
         self._free.push_all_empty(list(range(num_blocks)))
         self._index: dict[BlockHash, int] = {}
@@ -231,7 +238,8 @@ class PoolCore:
             block.block_hash = None
             block.parent_hash = None
         self._counters.blocks_evicted += len(block_ids)
-        self._events.append(BlockRemoved(tuple(hashes), tuple(block_ids)))
+        if self.record_events:
+            self._events.append(BlockRemoved(tuple(hashes), tuple(block_ids)))
 
     def _drop_last_refs(self, released: list[Block], retention: int | None) -> None:
         """Apply RELEASE to blocks whose last reference was just dropped and enqueue

@@ -304,7 +304,10 @@ class RequestSteps(PoolCore):
         n = len(published_ids)
         self._counters.blocks_published += n
         ids = tuple(published_ids)
-        self._events.append(BlockStored(rec.request_id, tuple(published_hashes), ids, first_parent))
+        if self.record_events:
+            self._events.append(
+                BlockStored(rec.request_id, tuple(published_hashes), ids, first_parent)
+            )
         return ids
 
     def _next_result(self, request_id: str, verb: str) -> tuple[RequestRecord, int | None]:
@@ -354,7 +357,8 @@ class RequestSteps(PoolCore):
         counters.steps_failed += 1
         counters.requests_aborted += 1
         ids = tuple(quarantined)
-        self._events.append(RequestAborted(request_id, rec.num_validated, ids))
+        if self.record_events:
+            self._events.append(RequestAborted(request_id, rec.num_validated, ids))
         return StepResult(
             request_id, StepOutcome.FAILED, tokens, rec.num_validated, quarantined=ids
         )

@@ -132,7 +132,7 @@ class TierGate(PoolCore):
         requests = tuple(
             rid for rid, rec in self._requests.items() if dropped_set.intersection(rec.blocks)
         )
-        if removed_ids:
+        if removed_ids and self.record_events:
             self._events.append(BlockRemoved(tuple(removed_hashes), tuple(removed_ids)))
         self._counters.hashes_invalidated += len(targets)
         return InvalidationReport(tuple(targets), tuple(dropped), tuple(tier_copies), requests)

@@ -8,9 +8,10 @@ subclass, so every attribute vLLM or a connector reads exists). Two modes:
   vLLM's own code; behaviour is identical to vLLM's pool (checked against vLLM's own
   KV-cache tests).
 * **guarded**: a :class:`kvguard.BlockPool` owns every block's state, the free queue
-  (quarantined blocks first), the prefix index and the zero queue. vLLM's
-  ``KVCacheBlock`` objects are views kept in step with it: ``ref_cnt`` and
-  ``block_hash`` mirror kvguard's, so vLLM code reading them sees the truth.
+  (quarantined blocks first), the prefix index and the zero queue. The block objects
+  vLLM's managers hold are kvguard's own block records
+  (:class:`~kvguard.adapters.vllm.kv_block.GuardedKVCacheBlock`): the ``ref_cnt`` and
+  ``block_hash`` vLLM reads are kvguard's, written once, never a mirrored copy.
   ``cache_full_blocks`` no longer inserts at schedule time: it asks kvguard to publish,
   and kvguard defers blocks whose step is still unchecked until
   :meth:`validate_step` says it passed. The guarded scheduler drives
@@ -25,7 +26,7 @@ chunked-local and Mamba groups copy or re-point cached blocks (``move_block_hash
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from kvguard.adapters.vllm._compat import require_supported_vllm
 
@@ -43,12 +44,14 @@ from vllm.v1.core.kv_cache_utils import (  # noqa: E402
 )
 
 from kvguard.errors import IllegalTransitionError, OutOfBlocksError  # noqa: E402
+from kvguard.events import BlockRemoved as CoreBlockRemoved  # noqa: E402
 from kvguard.hashing import BlockHash  # noqa: E402
 from kvguard.pool import BlockPool as KvGuardPool  # noqa: E402
 from kvguard.results import BlockValidation, PublishOutcome  # noqa: E402
 from kvguard.states import BlockState  # noqa: E402
 
 from .config import GuardConfig  # noqa: E402
+from .kv_block import GuardedKVCacheBlock  # noqa: E402
 
 _WRITTEN = BlockState.WRITTEN
 
@@ -96,9 +99,10 @@ class GuardedBlockPool(BlockPool):
         )
         self.guard = guard if guard is not None else GuardConfig(enabled=False)
         self.core: KvGuardPool | None = None
-        # block id -> (request, block index, block size, group, key) of a publication
-        # that waits for its step, so that vLLM's hash and KV event can follow kvguard's.
-        self._deferred: dict[int, tuple[Any, int, int, int, BlockHash]] = {}
+        # With vLLM's KV events on: block id -> (request, block index, block size,
+        # group) of a publication waiting for its step, to build vLLM's BlockStored
+        # event from vLLM's request once kvguard publishes the block.
+        self._deferred: dict[int, tuple[Any, int, int, int]] = {}
         # request id -> blocks filled while the current step was being scheduled.
         self._fills: dict[str, list[int]] = {}
         if not self.guard.enabled:
@@ -109,16 +113,21 @@ class GuardedBlockPool(BlockPool):
             enable_caching=enable_caching,
             zero_policy=self.guard.zero_policy,
             check_invariants=self.guard.check_invariants,
+            # kvguard's evictions are turned into vLLM's events / metrics when vLLM
+            # wants them; otherwise nobody reads kvguard's event queue.
+            record_events=enable_kv_cache_events or metrics_collector is not None,
+            block_type=GuardedKVCacheBlock,
         )
         # vLLM's null block is block 0, held forever; kvguard hands out block 0 first.
         (null_id,) = core.allocate_blocks(1)
-        assert null_id == self.null_block.block_id == 0, "null block must be block 0"
         core.take_blocks_to_zero()  # the null block is never read
         self.core = core
-        # vLLM asks for the free count on every allocate_slots call: kept here, in
-        # step with kvguard's (check_mirror compares them), and answered in one call.
-        self._num_free = core.get_num_free_blocks()
-        self.get_num_free_blocks = self._guarded_num_free
+        # The block objects vLLM's managers see are kvguard's own records.
+        self.blocks = cast("list[GuardedKVCacheBlock]", core.block_records)
+        self.null_block = self.blocks[null_id]
+        self.null_block.is_null = True
+        assert null_id == 0, "null block must be block 0"
+        self.get_num_free_blocks = core.get_num_free_blocks
         self.free_block_queue = _FreeQueueOwnedByKvGuard()
 
     # ------------------------------------------------------------------ steps (guarded)
@@ -140,37 +149,24 @@ class GuardedBlockPool(BlockPool):
         assert self.core is not None
         result = self.core.validate_blocks(block_ids)
         deferred = self._deferred
-        if deferred:
-            pop = deferred.pop
+        if deferred:  # vLLM's KV events are on
             blocks = self.blocks
-            mirror = self._mirror_publication
-            events = self.enable_kv_cache_events
             for done in (result.published, result.duplicates):
                 for block_id in done:
-                    pending = pop(block_id, None)
-                    if pending is None:
-                        continue
-                    block = blocks[block_id]
-                    if events:
-                        mirror(block, *pending)
-                    elif block._block_hash is None:
-                        # _mirror_publication without events, inlined.
-                        block._block_hash = pending[4]
-                        block._block_hash_num_tokens = (pending[1] + 1) * pending[2]
+                    pending = deferred.pop(block_id, None)
+                    if pending is not None:
+                        self._emit_block_stored(blocks[block_id], *pending)
         return result
 
-    def settle_tail(self, block_lists: Iterable[Sequence[KVCacheBlock]]) -> None:
+    def settle_tail(self, block_lists: Iterable[Sequence[Any]]) -> None:
         """A request ends with no step in flight and its last step clean: validate the
         blocks it wrote that no step filled (its partial tail), so that releasing them
         does not quarantine them."""
-        core = self.core
-        assert core is not None
-        state = core.block_state
         ids: list[int] = []
         for blocks in block_lists:
             # Blocks are filled, hence validated, in order: the unvalidated ones trail.
             for block in reversed(blocks):
-                if block.is_null or state(block.block_id) is not _WRITTEN:
+                if block.state is not _WRITTEN or block.is_null:
                     break
                 ids.append(block.block_id)
         if ids:
@@ -180,8 +176,9 @@ class GuardedBlockPool(BlockPool):
         """The step failed (or can never be validated): quarantine what it wrote."""
         assert self.core is not None
         quarantined = self.core.fail_blocks(block_ids)
-        for block_id in quarantined:
-            self._deferred.pop(block_id, None)
+        if self._deferred:
+            for block_id in quarantined:
+                self._deferred.pop(block_id, None)
         return quarantined
 
     def take_blocks_to_zero(self) -> list[int]:
@@ -240,13 +237,14 @@ class GuardedBlockPool(BlockPool):
         owner = request.request_id
         publish = core.publish_block
         deferred_outcome = PublishOutcome.DEFERRED
-        deferred = self._deferred
+        events = self.enable_kv_cache_events
         filled: list[int] | None = None
         for i in range(num_cached_blocks, num_full_blocks):
-            block = blocks[i]
+            block: Any = blocks[i]
             key: BlockHash = hashes[i] + suffix
             if not block.is_null and (block_mask is None or block_mask[i - num_cached_blocks]):
                 block_id = block.block_id
+                block.num_hash_tokens = (i + 1) * block_size
                 try:
                     outcome = publish(block_id, key, parent, owner=owner)
                 except IllegalTransitionError:
@@ -254,34 +252,20 @@ class GuardedBlockPool(BlockPool):
                 else:
                     if outcome is deferred_outcome:
                         # Filled by the step being scheduled: published when it validates.
-                        deferred[block_id] = (request, i, block_size, kv_cache_group_id, key)
                         if filled is None:
                             filled = self._fills.setdefault(owner, [])
                         filled.append(block_id)
-                    else:
-                        self._mirror_publication(
-                            block, request, i, block_size, kv_cache_group_id, key
-                        )
+                        if events:
+                            self._deferred[block_id] = (request, i, block_size, kv_cache_group_id)
+                    elif events:
+                        self._emit_block_stored(block, request, i, block_size, kv_cache_group_id)
             parent = key
 
-    def _mirror_publication(
-        self,
-        block: KVCacheBlock,
-        request: Any,
-        index: int,
-        block_size: int,
-        group_id: int,
-        key: BlockHash,
+    def _emit_block_stored(
+        self, block: Any, request: Any, index: int, block_size: int, group_id: int
     ) -> None:
-        """kvguard published (or holds a duplicate of) ``block``: give vLLM's view its
-        hash and emit vLLM's ``BlockStored`` now, after validation."""
-        if block._block_hash is not None:
-            return
-        # KVCacheBlock.set_block_hash, inlined (its assert is the check above).
-        block._block_hash = key  # a BlockHashWithGroupId: kvguard keys are vLLM's keys
-        block._block_hash_num_tokens = (index + 1) * block_size
-        if not self.enable_kv_cache_events:
-            return
+        """vLLM's ``BlockStored`` for a block kvguard just published (or holds as a
+        duplicate), built from vLLM's request as vLLM's own pool builds it."""
         start = index * block_size
         end = start + block_size
         parent_hash = None
@@ -289,10 +273,11 @@ class GuardedBlockPool(BlockPool):
             prev = resolve_block_hashes(request.block_hashes, self.hash_block_size, block_size)
             parent_hash = maybe_convert_block_hash(prev[index - 1])
         extra_keys, _ = self._generate_event_extra_keys(request, start, end, 0)
+        key = BlockHashWithGroupId(block.block_hash)
         self.kv_event_queue.append(
             self._build_block_stored_event(
                 request,
-                block_hashes=[maybe_convert_block_hash(get_block_hash(BlockHashWithGroupId(key)))],
+                block_hashes=[maybe_convert_block_hash(get_block_hash(key))],
                 parent_block_hash=parent_hash,
                 start_token_idx=start,
                 end_token_idx=end,
@@ -305,19 +290,27 @@ class GuardedBlockPool(BlockPool):
             )
         )
 
-    def _forget_vllm_hash(self, block: KVCacheBlock) -> None:
-        key = block.block_hash
-        if key is None:
-            return
-        block.reset_hash()
-        if self.enable_kv_cache_events:
-            self.kv_event_queue.append(
-                BlockRemoved(
-                    block_hashes=[maybe_convert_block_hash(get_block_hash(key))],
-                    medium=self.medium,
-                    group_idx=get_group_id(key),
-                )
-            )
+    def _report_core_removals(self) -> None:
+        """Turn kvguard's eviction/invalidation events into vLLM's ``BlockRemoved``
+        events and eviction metrics (kvguard records events only when vLLM wants these)."""
+        core = self.core
+        assert core is not None
+        collector = self.metrics_collector
+        events = self.enable_kv_cache_events
+        for event in core.take_events():
+            if not isinstance(event, CoreBlockRemoved):
+                continue  # BlockStored: vLLM's own is built from vLLM's request
+            for block_id, key in zip(event.block_ids, event.block_hashes, strict=True):
+                if collector:
+                    collector.on_block_evicted(self.blocks[block_id])
+                if events:
+                    self.kv_event_queue.append(
+                        BlockRemoved(
+                            block_hashes=[maybe_convert_block_hash(get_block_hash(key))],
+                            medium=self.medium,
+                            group_idx=get_group_id(key),
+                        )
+                    )
 
     # ------------------------------------------------------------------ allocation
 
@@ -331,26 +324,16 @@ class GuardedBlockPool(BlockPool):
             ids = core.allocate_blocks(num_blocks, write=True)
         except OutOfBlocksError:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool") from None
-        self._num_free -= num_blocks
         blocks = self.blocks
         ret = [blocks[i] for i in ids]
         if self._reuse_watchers:
             self._notify_reuse(ret)
         collector = self.metrics_collector
-        events = self.enable_kv_cache_events
-        for block in ret:
-            if block._block_hash is not None:  # an evicted cached block
-                if collector:
-                    collector.on_block_evicted(block)
-                if events:
-                    self._forget_vllm_hash(block)
-                else:  # KVCacheBlock.reset_hash, inlined
-                    block._block_hash = None
-                    block._block_hash_num_tokens = None
-            assert block.ref_cnt == 0, f"block {block.block_id} handed out while referenced"
-            block.ref_cnt = 1
+        if core.record_events:
+            self._report_core_removals()
             if collector:
-                collector.on_block_allocated(block)
+                for block in ret:
+                    collector.on_block_allocated(block)
         return ret
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
@@ -361,11 +344,8 @@ class GuardedBlockPool(BlockPool):
         live = [b for b in blocks if not b.is_null]
         core.acquire_blocks([b.block_id for b in live])
         collector = self.metrics_collector
-        for block in live:
-            if not block.ref_cnt:
-                self._num_free -= 1  # an evictable cached block leaves the free queue
-            block.ref_cnt += 1
-            if collector:
+        if collector:
+            for block in live:
                 collector.on_block_accessed(block)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
@@ -374,7 +354,6 @@ class GuardedBlockPool(BlockPool):
             super().free_blocks(ordered_blocks)
             return
         ids: list[int] = []
-        live: list[KVCacheBlock] = []
         other_pools: dict[Any, list[KVCacheBlock]] = {}
         for block in ordered_blocks:
             if block.is_null:
@@ -384,20 +363,16 @@ class GuardedBlockPool(BlockPool):
                 other_pools.setdefault(pool, []).append(block)
                 continue
             ids.append(block.block_id)
-            live.append(block)
         # Released blocks whose step never validated are quarantined by kvguard here
-        # (it raises, changing nothing, on a double free).
+        # (it raises, changing nothing, on a double free); a publication waiting for
+        # its step dies with the last reference.
         core.release_blocks(ids)
         deferred = self._deferred
-        num_last = 0  # blocks whose last reference went
-        for block in live:
-            ref = block.ref_cnt - 1
-            block.ref_cnt = ref
-            if not ref:
-                num_last += 1
-                if deferred:
-                    deferred.pop(block.block_id, None)
-        self._num_free += num_last
+        if deferred:
+            blocks = self.blocks
+            for block_id in ids:
+                if not blocks[block_id].ref_cnt:
+                    deferred.pop(block_id, None)
         for pool, others in other_pools.items():
             pool.free_blocks(others)
 
@@ -418,20 +393,22 @@ class GuardedBlockPool(BlockPool):
             key = core.block_hash(block_id)
             if key is not None:
                 hashes.append(key)
-            self._forget_vllm_hash(self.blocks[block_id])
         if hashes:
             core.invalidate(hashes, descendants=False)
+            if core.record_events:
+                self._report_core_removals()
 
     def reset_prefix_cache(self) -> bool:
         core = self.core
         if core is None:
             return super().reset_prefix_cache()
+        watched = [self.blocks[b] for b in list(self._reuse_watchers)]
         if not core.reset_prefix_cache(keep_held=[self.null_block.block_id]):
             return False
-        if self._reuse_watchers:
-            self._notify_reuse([self.blocks[b] for b in list(self._reuse_watchers)])
-        for block in self.blocks:
-            block.reset_hash()
+        if watched:
+            self._notify_reuse(watched)
+        if core.record_events:
+            core.take_events()  # one AllBlocksCleared below says it all
         if self.metrics_collector:
             self.metrics_collector.reset()
         if self.enable_kv_cache_events:
@@ -439,16 +416,6 @@ class GuardedBlockPool(BlockPool):
 
             self.kv_event_queue.append(AllBlocksCleared())
         return True
-
-    def _guarded_num_free(self) -> int:
-        return self._num_free
-
-    def take_events(self) -> list[Any]:
-        if self.core is not None:
-            # vLLM's events are built here from vLLM's requests; kvguard's own queue
-            # carries the same facts and must not grow unbounded.
-            self.core.take_events()
-        return super().take_events()
 
     # ------------------------------------------------------------------ not covered
 
@@ -470,23 +437,14 @@ class GuardedBlockPool(BlockPool):
     # ------------------------------------------------------------------ checks
 
     def check_mirror(self) -> None:
-        """Assert vLLM's block views agree with kvguard (tests; debugging)."""
+        """Assert what vLLM sees agrees with kvguard (tests; debugging): kvguard's
+        invariants, vLLM's block list being kvguard's records, the null block held."""
         core = self.core
         if core is None:
             return
         core.check_invariants()
-        assert self._num_free == core.get_num_free_blocks(), (
-            f"free count {self._num_free} != kvguard's {core.get_num_free_blocks()}"
-        )
-        for block in self.blocks:
-            info = core.block_info(block.block_id)
-            if block.is_null:  # vLLM does not count the null block's references
-                continue
-            assert block.ref_cnt == info.ref_cnt, (block, info)
-            if info.state in (BlockState.PUBLISHED, BlockState.OFFLOADED):
-                assert block.block_hash == BlockHashWithGroupId(info.block_hash or b""), (
-                    block,
-                    info,
-                )
-            elif info.state is not BlockState.VALIDATED:
-                assert block.block_hash is None, (block, info)
+        assert self.blocks is core.block_records, "vLLM's blocks are not kvguard's records"
+        assert self.null_block is self.blocks[0] and self.null_block.is_null
+        assert not any(block.is_null for block in self.blocks[1:]), "a second null block"
+        info = core.block_info(0)
+        assert info.ref_cnt >= 1 and info.state is not BlockState.PUBLISHED, info
