@@ -52,24 +52,21 @@ class BlockSteps(PoolCore):
         """
         if type(num_blocks) is not int or num_blocks < 0:
             _check_count("num_blocks", num_blocks)
-        ids = self._take_free(num_blocks, 1)
-        if write:
-            # ALLOCATED --WRITE--> WRITTEN for fresh, distinct, block-level-held blocks
-            # (write_blocks' fast path, inlined; they carry no hash).
-            blocks = self._blocks
-            for block_id in ids:
-                block = blocks[block_id]
-                block.state = _WRITTEN_FROM_ALLOCATED
-                block.writers = 1
-        return ids
+        # write: ALLOCATED --WRITE--> WRITTEN for fresh, distinct, block-level-held
+        # blocks (write_blocks' fast path, applied as they are handed out).
+        return self._take_free(num_blocks, 1, write)
 
     def acquire_blocks(self, block_ids: Iterable[int]) -> None:
         """Take a block-level reference on cached (PUBLISHED/OFFLOADED) blocks."""
-        ids = list(block_ids)
+        ids = block_ids if isinstance(block_ids, list) else list(block_ids)
+        blocks = self._blocks
+        num_blocks = self.num_blocks
         for block_id in ids:
-            block = self._block(block_id)
-            if block.state not in MATCHABLE_STATES:
-                raise IllegalTransitionError(block_id, block.state, _ACQUIRE)
+            if type(block_id) is not int or not 0 <= block_id < num_blocks:
+                self._block(block_id)  # raises UnknownBlockError
+            state = blocks[block_id].state
+            if state not in MATCHABLE_STATES:
+                raise IllegalTransitionError(block_id, state, _ACQUIRE)
         self._acquire(ids, 1)
 
     def release_blocks(self, block_ids: Iterable[int]) -> None:
@@ -82,40 +79,51 @@ class BlockSteps(PoolCore):
         ids = block_ids if isinstance(block_ids, list) else list(block_ids)
         blocks = self._blocks
         num_blocks = self.num_blocks
-        targets: list[Block] = []
-        if len(ids) == 1 or len(set(ids)) == len(ids):
-            for block_id in ids:
-                if type(block_id) is not int or not 0 <= block_id < num_blocks:
-                    self._block(block_id)  # raises UnknownBlockError
-                block = blocks[block_id]
-                if not block.external_refs or not block.ref_cnt:
-                    self._check_release(block, 1)  # raises
-                targets.append(block)
-        else:
-            wanted: dict[int, int] = {}
-            for block_id in ids:
-                wanted[block_id] = wanted.get(block_id, 0) + 1
-            for block_id, n in wanted.items():
-                self._check_release(self._block(block_id), n)
-            targets = [blocks[block_id] for block_id in ids]
+        # One pass drops the references, stopping at the first one that cannot be
+        # dropped; then the drops are undone and the checking path names the error.
         released: list[Block] = []
-        empty: list[int] = []
-        for block in targets:
+        done = 0
+        for block_id in ids:
+            if type(block_id) is not int or not 0 <= block_id < num_blocks:
+                break
+            block = blocks[block_id]
+            if not block.external_refs or not block.ref_cnt:
+                break
             block.external_refs -= 1
             ref = block.ref_cnt - 1
             block.ref_cnt = ref
-            if ref:
-                continue
+            done += 1
+            if not ref:
+                released.append(block)
+        if done != len(ids):
+            for block_id in ids[:done]:
+                block = blocks[block_id]
+                block.external_refs += 1
+                block.ref_cnt += 1
+            self._raise_release_error(ids)
+        empty: list[int] = []
+        cached: list[Block] = []
+        for block in released:
             if block.state is _ALLOCATED:
                 # Never written: ALLOCATED --RELEASE--> FREE, inlined (the common case).
                 block.state = _FREE
                 empty.append(block.block_id)
             else:
-                released.append(block)
+                cached.append(block)
         if empty:
             self._free.push_empty(empty)
-        if released:
-            self._drop_last_refs(released, None)
+        if cached:
+            self._drop_last_refs(cached, None)
+
+    def _raise_release_error(self, ids: list[int]) -> None:
+        """Why ``release_blocks(ids)`` cannot drop every reference (it raises)."""
+        wanted: dict[int, int] = {}
+        for block_id in ids:
+            self._block(block_id)  # raises UnknownBlockError
+            wanted[block_id] = wanted.get(block_id, 0) + 1
+        for block_id, n in wanted.items():
+            self._check_release(self._blocks[block_id], n)
+        raise AssertionError("release_blocks() stopped on a releasable block")  # pragma: no cover
 
     @staticmethod
     def _check_release(block: Block, n: int) -> None:
@@ -185,29 +193,33 @@ class BlockSteps(PoolCore):
         ids = block_ids if isinstance(block_ids, list) else list(block_ids)
         blocks = self._blocks
         num_blocks = self.num_blocks
+        # One pass counts the validations off the writers, stopping at the first
+        # block with no step left to validate; then the counts are restored and the
+        # checking path names the error.
+        finished: list[Block] = []
+        done = 0
         for block_id in ids:
             if type(block_id) is not int or not 0 <= block_id < num_blocks:
-                self._block(block_id)  # raises UnknownBlockError
+                break
             block = blocks[block_id]
-            if block.state is not _WRITTEN or not block.writers:
-                self._no_pending_step(block, 1)
-        if len(set(ids)) != len(ids):
-            wanted: dict[int, int] = {}
-            for block_id in ids:
-                wanted[block_id] = wanted.get(block_id, 0) + 1
-            for block_id, n in wanted.items():
-                if blocks[block_id].writers < n:
-                    self._no_pending_step(blocks[block_id], n)
+            writers = block.writers
+            if block.state is not _WRITTEN or not writers:
+                break
+            block.writers = writers - 1
+            done += 1
+            if writers == 1:
+                finished.append(block)
+        if done != len(ids):
+            for block_id in ids[:done]:
+                blocks[block_id].writers += 1
+            self._raise_validate_error(ids)
         validated: list[int] = []
         published: list[int] = []
         duplicates: list[int] = []
-        for block_id in ids:
-            block = blocks[block_id]
-            block.writers -= 1
-            if block.writers:
-                continue
+        for block in finished:
             # WRITTEN --VALIDATE--> VALIDATED, inlined.
             block.state = _VALIDATE_FROM_WRITTEN
+            block_id = block.block_id
             validated.append(block_id)
             pending = block.pending_publication
             if pending is not None:
@@ -217,6 +229,18 @@ class BlockSteps(PoolCore):
                 else:
                     duplicates.append(block_id)
         return BlockValidation(tuple(validated), tuple(published), tuple(duplicates))
+
+    def _raise_validate_error(self, ids: list[int]) -> None:
+        """Why ``validate_blocks(ids)`` cannot validate every block (it raises)."""
+        wanted: dict[int, int] = {}
+        for block_id in ids:
+            self._block(block_id)  # raises UnknownBlockError
+            wanted[block_id] = wanted.get(block_id, 0) + 1
+        for block_id, n in wanted.items():
+            block = self._blocks[block_id]
+            if block.state is not _WRITTEN or block.writers < n:
+                self._no_pending_step(block, n)
+        raise AssertionError("validate_blocks() stopped on a valid block")  # pragma: no cover
 
     @staticmethod
     def _no_pending_step(block: Block, n: int) -> None:

@@ -25,7 +25,7 @@ _FREE = BlockState.FREE
 
 
 class FreeQueue:
-    __slots__ = ("_empty", "_evictable", "_num_evictable", "_quarantined")
+    __slots__ = ("_empty", "_evictable", "_num_evictable", "_quarantined", "size")
 
     def __init__(self) -> None:
         self._quarantined: list[int] = []
@@ -33,9 +33,12 @@ class FreeQueue:
         # retention -> block ids in release order (oldest first).
         self._evictable: SortedDict = SortedDict()
         self._num_evictable = 0
+        self.size = 0
+        """Blocks queued, all tiers: kept as one number because engines ask for it on
+        every allocation (vLLM: once per scheduled request)."""
 
     def __len__(self) -> int:
-        return len(self._quarantined) + len(self._empty) + self._num_evictable
+        return self.size
 
     @property
     def num_evictable(self) -> int:
@@ -46,18 +49,22 @@ class FreeQueue:
         state = block.state
         if state is _QUARANTINED:
             self._quarantined.append(block.block_id)
+            self.size += 1
         elif state is _FREE:
             self._empty.append(block.block_id)
+            self.size += 1
         else:
             self.push_evictable([block])
 
     def push_all_empty(self, block_ids: list[int]) -> None:
         """Enqueue FREE blocks so that ``block_ids[0]`` is handed out first."""
         self._empty.extend(reversed(block_ids))
+        self.size += len(block_ids)
 
     def push_empty(self, block_ids: list[int]) -> None:
         """Enqueue FREE blocks (batched :meth:`push`)."""
         self._empty.extend(block_ids)
+        self.size += len(block_ids)
 
     def _class(self, retention: int) -> OrderedDict[int, None]:
         """The eviction queue of one retention class, created on first use."""
@@ -76,6 +83,7 @@ class FreeQueue:
                 bucket = self._class(key)
             bucket[block.block_id] = None
         self._num_evictable += len(blocks)
+        self.size += len(blocks)
 
     def push_evictable_ids(self, retention: int, block_ids: list[int]) -> None:
         """Enqueue cached blocks of one retention class, ``block_ids[0]`` evicted first."""
@@ -84,6 +92,7 @@ class FreeQueue:
         for block_id in block_ids:
             bucket[block_id] = None
         self._num_evictable += len(block_ids)
+        self.size += len(block_ids)
 
     def take_empty(self, n: int) -> list[int] | None:
         """The fast path of :meth:`take`: the next ``n`` ids when they are all FREE
@@ -95,6 +104,7 @@ class FreeQueue:
         ids = empty[-n:]
         del empty[-n:]
         ids.reverse()
+        self.size -= n
         return ids
 
     def take(self, n: int) -> tuple[list[int], list[int], list[int]]:
@@ -121,6 +131,7 @@ class FreeQueue:
             if not bucket:
                 del evictable[retention]
         self._num_evictable -= len(evicted)
+        self.size -= n
         return taken_q, taken_e, evicted
 
     def remove_evictable(self, block: Block) -> None:
@@ -130,6 +141,7 @@ class FreeQueue:
         if not bucket:
             del self._evictable[block.retention]
         self._num_evictable -= 1
+        self.size -= 1
 
     def snapshot(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         """(quarantined, empty, evictable-in-eviction-order), for checks and tests."""
@@ -140,5 +152,6 @@ class FreeQueue:
         """Remove and return every evictable block id (prefix-cache reset)."""
         out = [bid for bucket in self._evictable.values() for bid in bucket]
         self._evictable.clear()
+        self.size -= self._num_evictable
         self._num_evictable = 0
         return out

@@ -74,6 +74,8 @@ def check_pool(pool: BlockPool) -> None:
     queued = quarantined + empty + evictable
     if len(set(queued)) != len(queued):
         add(f"free queue lists a block twice: {sorted(queued)}")
+    if pool._free.size != len(queued):
+        add(f"free queue counts {pool._free.size} blocks, holds {len(queued)}")
     unreferenced = {b.block_id for b in blocks if b.ref_cnt == 0}
     if set(queued) != unreferenced:
         add(

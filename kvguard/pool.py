@@ -186,7 +186,7 @@ class BlockPool(RequestSteps, Recovery, BlockSteps, TierGate):
 
     def get_num_free_blocks(self) -> int:
         """Blocks an allocation can take now (free, quarantined and evictable)."""
-        return len(self._free)
+        return self._free.size
 
     def stats(self) -> PoolStats:
         return PoolStats(

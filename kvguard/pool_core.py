@@ -185,9 +185,10 @@ class PoolCore:
             hashes.append(parent)
         return hashes
 
-    def _take_free(self, n: int, external_refs: int = 0) -> list[int]:
+    def _take_free(self, n: int, external_refs: int = 0, write: bool = False) -> list[int]:
         """Pop ``n`` blocks and hand them out, or raise :class:`OutOfBlocksError`
-        having taken none. ``external_refs`` is 1 for block-level holders.
+        having taken none. ``external_refs`` is 1 for block-level holders; ``write``
+        hands them out WRITTEN by one block-level step (ALLOCATE then WRITE).
 
         Quarantined blocks go first (queued for zeroing under the ``suspect`` policy),
         then empty ones, then cached ones in eviction order (their hashes leave the
@@ -211,11 +212,14 @@ class PoolCore:
         # FREE/QUARANTINED --ALLOCATE--> ALLOCATED for every one of them, inlined (the
         # import-time check below the table views guarantees the table agrees).
         blocks = self._blocks
+        state = _WRITTEN_FROM_ALLOCATED if write else _ALLOCATED
+        writers = 1 if write else 0
         for block_id in ids:
             block = blocks[block_id]
-            block.state = _ALLOCATED
+            block.state = state
             block.ref_cnt = 1
             block.external_refs = external_refs
+            block.writers = writers
             block.generation += 1
         if self.zero_policy is ZeroPolicy.ALL:
             for block_id in ids:
