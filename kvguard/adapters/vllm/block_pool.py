@@ -341,12 +341,12 @@ class GuardedBlockPool(BlockPool):
         if core is None:
             super().touch(blocks)
             return
-        live = [b for b in blocks if not b.is_null]
-        core.acquire_blocks([b.block_id for b in live])
+        core.acquire_blocks([b.block_id for b in blocks if not b.is_null])
         collector = self.metrics_collector
         if collector:
-            for block in live:
-                collector.on_block_accessed(block)
+            for block in blocks:
+                if not block.is_null:
+                    collector.on_block_accessed(block)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         core = self.core

@@ -166,12 +166,16 @@ class _GuardMixin:
         metrics = self.kvguard_metrics
         dropped = record.dropped
         requests = self.requests
-        # One pass over the NaN counts (a dict comprehension, no per-request calls).
-        failed = {
-            r: c
-            for r, c in nans.items()
-            if c and r in scheduled and r not in dropped and r in requests
-        }
+        # A clean step (the common case) costs one C-level pass over the counts.
+        failed = (
+            {
+                r: c
+                for r, c in nans.items()
+                if c and r in scheduled and r not in dropped and r in requests
+            }
+            if any(nans.values())
+            else {}
+        )
         suspect = self._kvguard_load_failures(model_runner_output.kv_connector_output, record)
         if len(nans) < len(scheduled):
             metrics.steps_unchecked += sum(1 for r in scheduled if r not in nans)
