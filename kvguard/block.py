@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from kvguard.hashing import BlockHash
 from kvguard.states import BlockState
 
+PendingPublication = tuple[BlockHash, BlockHash | None, str]
+"""(hash, parent hash, owner) a block is to be published under once validated."""
+
 
 @dataclass(slots=True, eq=False)
 class Block:
@@ -26,7 +29,7 @@ class Block:
     """References held through the block-level API (allocate_blocks/acquire_blocks)."""
     writers: int = 0
     """Block-level steps in flight that write into it (``write_blocks``); 0 otherwise."""
-    pending_publication: tuple[BlockHash, BlockHash | None, str] | None = None
+    pending_publication: PendingPublication | None = None
     """(hash, parent hash, owner) to publish under once its writers validated
     (``publish_block`` on a block still being written)."""
 

@@ -6,9 +6,9 @@ the block-level write/validate ledger with deferred publication.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 
-from kvguard.block import Block
+from kvguard.block import Block, PendingPublication
 from kvguard.errors import (
     DoubleFreeError,
     ForeignBlockError,
@@ -35,6 +35,10 @@ from kvguard.pool_core import (
 )
 from kvguard.results import BlockValidation, PublishOutcome
 from kvguard.states import MATCHABLE_STATES
+
+
+def _nothing_held(block_id: int) -> None:
+    return None
 
 
 class BlockSteps(PoolCore):
@@ -181,16 +185,26 @@ class BlockSteps(PoolCore):
                 self._move(block, _WRITE)
             block.writers += 1
 
-    def validate_blocks(self, block_ids: Iterable[int]) -> BlockValidation:
+    def validate_blocks(
+        self,
+        block_ids: Iterable[int],
+        publish: Mapping[int, PendingPublication] | None = None,
+    ) -> BlockValidation:
         """The step that wrote these blocks passed (each id once per step).
 
         A block no other in-flight step writes becomes VALIDATED, and its deferred
-        publication (:meth:`publish_block`) happens now.
+        publication happens now: the one :meth:`publish_block` recorded, or the one
+        ``publish`` gives for its id -- ``(hash, parent hash, owner)`` that the caller
+        held back until this result, exactly as if it had called ``publish_block``
+        before this call (entries for ids not validated here are ignored). Both count
+        as withheld publications.
 
         Runtime: one checking pass and one applying pass over the ids; one result
         object per call (callers batch a whole step's blocks into one call).
         """
         ids = block_ids if isinstance(block_ids, list) else list(block_ids)
+        if publish and not self.enable_caching:
+            raise PoolMisuseError("validate_blocks(publish=...) needs enable_caching=True")
         blocks = self._blocks
         num_blocks = self.num_blocks
         # One pass counts the validations off the writers, stopping at the first
@@ -216,18 +230,38 @@ class BlockSteps(PoolCore):
         validated: list[int] = []
         published: list[int] = []
         duplicates: list[int] = []
+        if publish:
+            if len(finished) != len(ids):
+                # Blocks another in-flight step still writes: their publication
+                # waits for that step, as publish_block's would.
+                for block_id in ids:
+                    block = blocks[block_id]
+                    if block.writers and block_id in publish:
+                        block.pending_publication = publish[block_id]
+            held: Callable[[int], PendingPublication | None] = publish.get
+        else:
+            held = _nothing_held
+        num_held = 0
         for block in finished:
             # WRITTEN --VALIDATE--> VALIDATED, inlined.
             block.state = _VALIDATE_FROM_WRITTEN
             block_id = block.block_id
             validated.append(block_id)
-            pending = block.pending_publication
-            if pending is not None:
+            pending = held(block_id)
+            if pending is None:
+                pending = block.pending_publication
+                if pending is None:
+                    continue
                 block.pending_publication = None
-                if self._publish_one(block, *pending):
-                    published.append(block_id)
-                else:
-                    duplicates.append(block_id)
+            else:
+                block.pending_publication = None
+                num_held += 1
+            if self._publish_one(block, *pending):
+                published.append(block_id)
+            else:
+                duplicates.append(block_id)
+        if num_held:
+            self._counters.withheld_publications += num_held
         return BlockValidation(tuple(validated), tuple(published), tuple(duplicates))
 
     def _raise_validate_error(self, ids: list[int]) -> None:

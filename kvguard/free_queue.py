@@ -25,13 +25,16 @@ _FREE = BlockState.FREE
 
 
 class FreeQueue:
-    __slots__ = ("_empty", "_evictable", "_num_evictable", "_quarantined", "size")
+    __slots__ = ("_empty", "_evictable", "_first", "_num_evictable", "_quarantined", "size")
 
     def __init__(self) -> None:
         self._quarantined: list[int] = []
         self._empty: list[int] = []
         # retention -> block ids in release order (oldest first).
         self._evictable: SortedDict = SortedDict()
+        # (retention, bucket) of the lowest retention class, evicted first: looked up
+        # on every evicting allocation, changed only when a class appears or empties.
+        self._first: tuple[int, OrderedDict[int, None]] | None = None
         self._num_evictable = 0
         self.size = 0
         """Blocks queued, all tiers: kept as one number because engines ask for it on
@@ -71,7 +74,16 @@ class FreeQueue:
         bucket: OrderedDict[int, None] | None = self._evictable.get(retention)
         if bucket is None:
             bucket = self._evictable[retention] = OrderedDict()
+            if self._first is None or retention < self._first[0]:
+                self._first = (retention, bucket)
         return bucket
+
+    def _drop_class(self, retention: int) -> None:
+        """Forget an emptied retention class."""
+        del self._evictable[retention]
+        first = self._first
+        if first is not None and first[0] == retention:
+            self._first = self._evictable.peekitem(0) if self._evictable else None
 
     def push_evictable(self, blocks: list[Block]) -> None:
         """Enqueue cached blocks, ``blocks[0]`` to be evicted first (batched :meth:`push`)."""
@@ -94,52 +106,55 @@ class FreeQueue:
         self._num_evictable += len(block_ids)
         self.size += len(block_ids)
 
-    def take_empty(self, n: int) -> list[int] | None:
-        """The fast path of :meth:`take`: the next ``n`` ids when they are all FREE
-        blocks (no quarantined block waiting, enough empty ones); else None and nothing
-        taken."""
-        empty = self._empty
-        if self._quarantined or len(empty) < n:
-            return None
-        ids = empty[-n:]
-        del empty[-n:]
-        ids.reverse()
+    def take(self, n: int) -> tuple[list[int], int, int]:
+        """Take the next ``n`` ids in hand-out order: ``(ids, q, e)`` where the first
+        ``q`` ids were quarantined and the last ``e`` were cached (now evicted); the
+        caller checked ``0 < n <= len(self)``."""
         self.size -= n
-        return ids
-
-    def take(self, n: int) -> tuple[list[int], list[int], list[int]]:
-        """Take the next ``n`` ids in hand-out order, split into (quarantined, empty,
-        evicted); the caller checked ``n <= len(self)``."""
         quarantined = self._quarantined
-        k = min(n, len(quarantined))
-        taken_q = quarantined[len(quarantined) - k :]
-        del quarantined[len(quarantined) - k :]
-        taken_q.reverse()
         empty = self._empty
-        k = min(n - len(taken_q), len(empty))
-        taken_e = empty[len(empty) - k :]
-        del empty[len(empty) - k :]
-        taken_e.reverse()
-        left = n - len(taken_q) - len(taken_e)
-        evicted: list[int] = []
-        evictable = self._evictable
-        while left:
-            retention, bucket = evictable.peekitem(0)
-            while left and bucket:
-                evicted.append(bucket.popitem(last=False)[0])
-                left -= 1
-            if not bucket:
-                del evictable[retention]
-        self._num_evictable -= len(evicted)
-        self.size -= n
-        return taken_q, taken_e, evicted
+        if not quarantined and len(empty) >= n:  # the common case: empty blocks only
+            ids = empty[-n:]
+            del empty[-n:]
+            ids.reverse()
+            return ids, 0, 0
+        ids = []
+        left = n
+        num_quarantined = 0
+        if quarantined:
+            num_quarantined = min(left, len(quarantined))
+            ids = quarantined[-num_quarantined:]
+            del quarantined[-num_quarantined:]
+            ids.reverse()
+            left -= num_quarantined
+        if left and empty:
+            k = min(left, len(empty))
+            taken = empty[-k:]
+            del empty[-k:]
+            taken.reverse()
+            ids += taken
+            left -= k
+        num_evicted = left
+        if left:
+            self._num_evictable -= left
+            while left:
+                first = self._first
+                assert first is not None, "take() past the end of the free queue"
+                retention, bucket = first
+                k = min(left, len(bucket))
+                pop = bucket.popitem
+                ids += [pop(False)[0] for _ in range(k)]
+                left -= k
+                if not bucket:
+                    self._drop_class(retention)
+        return ids, num_quarantined, num_evicted
 
     def remove_evictable(self, block: Block) -> None:
         """Take a cached block out of the queue (a prefix hit, or an invalidation)."""
         bucket = self._evictable[block.retention]
         del bucket[block.block_id]
         if not bucket:
-            del self._evictable[block.retention]
+            self._drop_class(block.retention)
         self._num_evictable -= 1
         self.size -= 1
 
@@ -152,6 +167,7 @@ class FreeQueue:
         """Remove and return every evictable block id (prefix-cache reset)."""
         out = [bid for bucket in self._evictable.values() for bid in bucket]
         self._evictable.clear()
+        self._first = None
         self.size -= self._num_evictable
         self._num_evictable = 0
         return out

@@ -91,6 +91,15 @@ def check_pool(pool: BlockPool) -> None:
     for bid in evictable:
         if blocks[bid].state not in MATCHABLE_STATES:
             add(f"block {bid} in the evictable tier is {blocks[bid].state.name}")
+    classes = pool._free._evictable
+    lowest = classes.peekitem(0) if classes else None
+    first = pool._free._first
+    if (first is None) != (lowest is None) or (
+        first is not None and lowest is not None and (first[0], first[1]) != lowest
+    ):
+        add(f"free queue's first eviction class {first!r} is not the lowest {lowest!r}")
+    if any(not bucket for bucket in classes.values()):
+        add("free queue keeps an empty eviction class")
     for retention, bucket in pool._free._evictable.items():
         for bid in bucket:
             if blocks[bid].retention != retention:

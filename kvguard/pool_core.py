@@ -38,6 +38,9 @@ _PUBLISHED = BlockState.PUBLISHED
 _OFFLOADED = BlockState.OFFLOADED
 _QUARANTINED = BlockState.QUARANTINED
 
+_ZERO_SUSPECT = ZeroPolicy.SUSPECT
+_ZERO_ALL = ZeroPolicy.ALL
+
 _ALLOCATE = BlockEvent.ALLOCATE
 _WRITE = BlockEvent.WRITE
 _VALIDATE = BlockEvent.VALIDATE
@@ -57,6 +60,7 @@ _RELEASE_TO: dict[BlockState, BlockState] = {
 }
 _WRITE_TO = {state: row[_WRITE] for state, row in _NEXT.items() if _WRITE in row}
 _ACQUIRE_TO = {state: row[_ACQUIRE] for state, row in _NEXT.items() if _ACQUIRE in row}
+_EVICT_TO = {state: row[_EVICT] for state, row in _NEXT.items() if _EVICT in row}
 # Transitions the hot paths apply inline; stop at import if the table ever disagrees.
 if not (
     _NEXT[_FREE][_ALLOCATE] is _NEXT[_QUARANTINED][_ALLOCATE] is _ALLOCATED
@@ -197,18 +201,15 @@ class PoolCore:
         if n <= 0:
             return []
         free = self._free
-        ids = free.take_empty(n)
-        if ids is None:
-            if n > len(free):
-                raise OutOfBlocksError(n, len(free))
-            quarantined, empty, evicted = free.take(n)
-            if quarantined and self.zero_policy is ZeroPolicy.SUSPECT:
-                for block_id in quarantined:
-                    self._zero.add_block(block_id)
-                self._counters.blocks_zeroed += len(quarantined)
-            if evicted:
-                self._evict(evicted)
-            ids = quarantined + empty + evicted
+        if n > free.size:
+            raise OutOfBlocksError(n, free.size)
+        ids, num_quarantined, num_evicted = free.take(n)
+        if num_quarantined and self.zero_policy is _ZERO_SUSPECT:
+            for block_id in ids[:num_quarantined]:
+                self._zero.add_block(block_id)
+            self._counters.blocks_zeroed += num_quarantined
+        if num_evicted:
+            self._evict(ids[n - num_evicted :])
         # FREE/QUARANTINED --ALLOCATE--> ALLOCATED for every one of them, inlined (the
         # import-time check below the table views guarantees the table agrees).
         blocks = self._blocks
@@ -221,7 +222,7 @@ class PoolCore:
             block.external_refs = external_refs
             block.writers = writers
             block.generation += 1
-        if self.zero_policy is ZeroPolicy.ALL:
+        if self.zero_policy is _ZERO_ALL:
             for block_id in ids:
                 self._zero.add_block(block_id)
             self._counters.blocks_zeroed += n
@@ -234,7 +235,10 @@ class PoolCore:
         hashes: list[BlockHash] = []
         for block_id in block_ids:
             block = blocks[block_id]
-            self._move(block, _EVICT)
+            new = _EVICT_TO.get(block.state)  # _move(block, EVICT), inlined
+            if new is None:
+                raise IllegalTransitionError(block_id, block.state, _EVICT)
+            block.state = new
             block_hash = block.block_hash
             assert block_hash is not None, f"cached block {block_id} has no hash"
             del index[block_hash]

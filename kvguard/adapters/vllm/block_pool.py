@@ -25,7 +25,7 @@ chunked-local and Mamba groups copy or re-point cached blocks (``move_block_hash
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
 from kvguard.adapters.vllm._compat import require_supported_vllm
@@ -43,11 +43,12 @@ from vllm.v1.core.kv_cache_utils import (  # noqa: E402
     resolve_block_hashes,
 )
 
+from kvguard.block import PendingPublication  # noqa: E402
 from kvguard.errors import IllegalTransitionError, OutOfBlocksError  # noqa: E402
 from kvguard.events import BlockRemoved as CoreBlockRemoved  # noqa: E402
 from kvguard.hashing import BlockHash  # noqa: E402
 from kvguard.pool import BlockPool as KvGuardPool  # noqa: E402
-from kvguard.results import BlockValidation, PublishOutcome  # noqa: E402
+from kvguard.results import BlockValidation  # noqa: E402
 from kvguard.states import BlockState  # noqa: E402
 
 from .config import GuardConfig  # noqa: E402
@@ -103,8 +104,10 @@ class GuardedBlockPool(BlockPool):
         # group) of a publication waiting for its step, to build vLLM's BlockStored
         # event from vLLM's request once kvguard publishes the block.
         self._deferred: dict[int, tuple[Any, int, int, int]] = {}
-        # request id -> blocks filled while the current step was being scheduled.
+        # The step being scheduled: request id -> blocks it fills, and block id ->
+        # the publication (hash, parent, owner) held back until the step validates.
         self._fills: dict[str, list[int]] = {}
+        self._publications: dict[int, PendingPublication] = {}
         if not self.guard.enabled:
             return
         core = KvGuardPool(
@@ -138,16 +141,23 @@ class GuardedBlockPool(BlockPool):
     # tail block, until its request ends after a clean step. A decode step writing one
     # more token into a partial block therefore costs the guard nothing.
 
-    def take_step_fills(self) -> dict[str, list[int]]:
-        """Blocks filled (cached by vLLM) since the last call, per request id."""
-        fills = self._fills
-        self._fills = {}
-        return fills
+    def take_step_fills(self) -> tuple[dict[str, list[int]], dict[int, PendingPublication]]:
+        """Blocks filled (cached by vLLM) since the last call, per request id, and the
+        publications held back for them."""
+        fills, publications = self._fills, self._publications
+        self._fills, self._publications = {}, {}
+        return fills, publications
 
-    def validate_step(self, block_ids: Sequence[int]) -> BlockValidation:
-        """The steps that filled ``block_ids`` produced finite logits for their requests."""
+    def validate_step(
+        self,
+        block_ids: Sequence[int],
+        publications: Mapping[int, PendingPublication] | None = None,
+    ) -> BlockValidation:
+        """The steps that filled ``block_ids`` produced finite logits for their
+        requests: kvguard validates the blocks and publishes them under
+        ``publications`` (from :meth:`take_step_fills`)."""
         assert self.core is not None
-        result = self.core.validate_blocks(block_ids)
+        result = self.core.validate_blocks(block_ids, publications)
         deferred = self._deferred
         if deferred:  # vLLM's KV events are on
             blocks = self.blocks
@@ -235,30 +245,33 @@ class GuardedBlockPool(BlockPool):
         if num_cached_blocks:
             parent = hashes[num_cached_blocks - 1] + suffix
         owner = request.request_id
-        publish = core.publish_block
-        deferred_outcome = PublishOutcome.DEFERRED
         events = self.enable_kv_cache_events
         filled: list[int] | None = None
+        publications = self._publications
         for i in range(num_cached_blocks, num_full_blocks):
             block: Any = blocks[i]
             key: BlockHash = hashes[i] + suffix
             if not block.is_null and (block_mask is None or block_mask[i - num_cached_blocks]):
                 block_id = block.block_id
                 block.num_hash_tokens = (i + 1) * block_size
-                try:
-                    outcome = publish(block_id, key, parent, owner=owner)
-                except IllegalTransitionError:
-                    pass  # quarantined by a failed step: never published
+                if block.state is _WRITTEN:
+                    # Filled by the step being scheduled: published when it validates.
+                    if filled is None:
+                        filled = self._fills.setdefault(owner, [])
+                    filled.append(block_id)
+                    publications[block_id] = (key, parent, owner)
+                    if events:
+                        self._deferred[block_id] = (request, i, block_size, kv_cache_group_id)
                 else:
-                    if outcome is deferred_outcome:
-                        # Filled by the step being scheduled: published when it validates.
-                        if filled is None:
-                            filled = self._fills.setdefault(owner, [])
-                        filled.append(block_id)
+                    try:
+                        core.publish_block(block_id, key, parent, owner=owner)
+                    except IllegalTransitionError:
+                        pass  # quarantined by a failed step: never published
+                    else:
                         if events:
-                            self._deferred[block_id] = (request, i, block_size, kv_cache_group_id)
-                    elif events:
-                        self._emit_block_stored(block, request, i, block_size, kv_cache_group_id)
+                            self._emit_block_stored(
+                                block, request, i, block_size, kv_cache_group_id
+                            )
             parent = key
 
     def _emit_block_stored(

@@ -17,6 +17,8 @@ from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
+from kvguard.block import PendingPublication
+
 
 @dataclass(slots=True, eq=False)
 class StepRecord:
@@ -26,6 +28,8 @@ class StepRecord:
     """Request id -> tokens scheduled in this step (vLLM's dict, read-only here)."""
     fills: dict[str, list[int]] = field(default_factory=dict)
     """Request id -> block ids this step fills (validated when its output is clean)."""
+    publications: dict[int, PendingPublication] = field(default_factory=dict)
+    """Block id -> the publication held back for it until this step's output."""
     dropped: set[str] = field(default_factory=set)
     """Requests freed or preempted while this step was in flight."""
 
@@ -40,9 +44,13 @@ class StepLedger:
         return len(self._steps)
 
     def open(
-        self, token: object, scheduled: Mapping[str, int], fills: dict[str, list[int]]
+        self,
+        token: object,
+        scheduled: Mapping[str, int],
+        fills: dict[str, list[int]],
+        publications: dict[int, PendingPublication],
     ) -> StepRecord:
-        record = StepRecord(token, scheduled, fills)
+        record = StepRecord(token, scheduled, fills, publications)
         self._steps.append(record)
         return record
 

@@ -41,6 +41,8 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
+from kvguard.block import PendingPublication  # noqa: E402
+
 from .config import GuardConfig, GuardConfigError  # noqa: E402
 from .ledger import StepLedger  # noqa: E402
 from .manager import install_guarded_pool  # noqa: E402
@@ -79,8 +81,9 @@ class _GuardMixin:
         self.kvguard_metrics_label = register_prometheus(self) if guard.enabled else None
         self._kvguard_ledger = StepLedger()
         # Blocks filled without a step of their request (connector loads), waiting
-        # for the request's first step to vouch for them.
+        # for the request's first step to vouch for them, and their publications.
         self._kvguard_carry: dict[str, list[int]] = {}
+        self._kvguard_carry_publications: dict[int, PendingPublication] = {}
         # Requests being finished because their step failed (never settled clean).
         self._kvguard_failing: dict[str, int] = {}
 
@@ -127,13 +130,16 @@ class _GuardMixin:
         scheduler_output = super().schedule(*args, **kwargs)  # type: ignore[misc]
         # The per-step cost is one record: blocks are marked WRITTEN when vLLM hands
         # them out and filled blocks were noted by cache_full_blocks while scheduling.
-        fills = pool.take_step_fills()
+        fills, publications = pool.take_step_fills()
         scheduled = scheduler_output.num_scheduled_tokens
         carry = self._kvguard_carry
         if carry:
+            held = self._kvguard_carry_publications
             for req_id in [r for r in carry if r in scheduled]:
-                fills.setdefault(req_id, []).extend(carry.pop(req_id))
-        self._kvguard_ledger.open(scheduler_output, scheduled, fills)
+                ids = carry.pop(req_id)
+                fills.setdefault(req_id, []).extend(ids)
+                publications.update((b, held.pop(b)) for b in ids if b in held)
+        self._kvguard_ledger.open(scheduler_output, scheduled, fills, publications)
         return scheduler_output
 
     def _get_new_block_ids_to_zero(self) -> list[int] | None:
@@ -191,10 +197,14 @@ class _GuardMixin:
                     # Filled without a step (KV a connector finished loading): the
                     # request's first step computing on it vouches for it.
                     carry.setdefault(req_id, []).extend(filled)
+                    held = record.publications
+                    self._kvguard_carry_publications.update(
+                        (b, held[b]) for b in filled if b in held
+                    )
                     continue
                 ids += filled
             if ids:
-                pool.validate_step(ids)
+                pool.validate_step(ids, record.publications)
         ledger = self._kvguard_ledger
         for req_id in suspect:
             # Computed on KV that failed to load: vLLM recomputes or fails the request
@@ -261,7 +271,10 @@ class _GuardMixin:
         req_id = request.request_id
         pool = self.kvguard_pool
         ledger = self._kvguard_ledger
-        self._kvguard_carry.pop(req_id, None)
+        carried = self._kvguard_carry.pop(req_id, None)
+        if carried:
+            for block_id in carried:
+                self._kvguard_carry_publications.pop(block_id, None)
         if pool.core is None:
             return
         if req_id not in self._kvguard_failing and not ledger.in_flight(req_id):
