@@ -22,7 +22,6 @@ from kvguard.pool_core import (
     _ACQUIRE,
     _ALLOCATED,
     _FAIL,
-    _FREE,
     _PUBLISH,
     _PUBLISH_FROM_VALIDATED,
     _VALIDATE_FROM_WRITTEN,
@@ -105,19 +104,8 @@ class BlockSteps(PoolCore):
                 block.external_refs += 1
                 block.ref_cnt += 1
             self._raise_release_error(ids)
-        empty: list[int] = []
-        cached: list[Block] = []
-        for block in released:
-            if block.state is _ALLOCATED:
-                # Never written: ALLOCATED --RELEASE--> FREE, inlined (the common case).
-                block.state = _FREE
-                empty.append(block.block_id)
-            else:
-                cached.append(block)
-        if empty:
-            self._free.push_empty(empty)
-        if cached:
-            self._drop_last_refs(cached, None)
+        if released:
+            self._drop_last_refs(released, None)
 
     def _raise_release_error(self, ids: list[int]) -> None:
         """Why ``release_blocks(ids)`` cannot drop every reference (it raises)."""
@@ -227,9 +215,6 @@ class BlockSteps(PoolCore):
             for block_id in ids[:done]:
                 blocks[block_id].writers += 1
             self._raise_validate_error(ids)
-        validated: list[int] = []
-        published: list[int] = []
-        duplicates: list[int] = []
         if publish:
             if len(finished) != len(ids):
                 # Blocks another in-flight step still writes: their publication
@@ -242,27 +227,28 @@ class BlockSteps(PoolCore):
         else:
             held = _nothing_held
         num_held = 0
+        to_publish: list[Block] = []
+        publications: list[PendingPublication] = []
         for block in finished:
             # WRITTEN --VALIDATE--> VALIDATED, inlined.
             block.state = _VALIDATE_FROM_WRITTEN
-            block_id = block.block_id
-            validated.append(block_id)
-            pending = held(block_id)
+            pending = held(block.block_id)
             if pending is None:
                 pending = block.pending_publication
                 if pending is None:
                     continue
                 block.pending_publication = None
             else:
-                block.pending_publication = None
                 num_held += 1
-            if self._publish_one(block, *pending):
-                published.append(block_id)
-            else:
-                duplicates.append(block_id)
+            to_publish.append(block)
+            publications.append(pending)
+        validated = tuple([block.block_id for block in finished])
+        if not to_publish:
+            return BlockValidation(validated)
         if num_held:
             self._counters.withheld_publications += num_held
-        return BlockValidation(tuple(validated), tuple(published), tuple(duplicates))
+        published, duplicates = self._publish(to_publish, publications)
+        return BlockValidation(validated, tuple(published), tuple(duplicates))
 
     def _raise_validate_error(self, ids: list[int]) -> None:
         """Why ``validate_blocks(ids)`` cannot validate every block (it raises)."""
@@ -327,29 +313,37 @@ class BlockSteps(PoolCore):
                 raise PoolMisuseError(f"block {block_id} is already published under another hash")
             return PublishOutcome.PUBLISHED
         if state is _VALIDATED:
-            if self._publish_one(block, block_hash, parent_hash, owner):
-                return PublishOutcome.PUBLISHED
-            return PublishOutcome.DUPLICATE
+            published, _ = self._publish([block], [(block_hash, parent_hash, owner)])
+            return PublishOutcome.PUBLISHED if published else PublishOutcome.DUPLICATE
         if state in (_ALLOCATED, _WRITTEN) and block.ref_cnt:
             block.pending_publication = (block_hash, parent_hash, owner)
             self._counters.withheld_publications += 1
             return PublishOutcome.DEFERRED
         raise IllegalTransitionError(block_id, state, _PUBLISH)
 
-    def _publish_one(
-        self, block: Block, block_hash: BlockHash, parent_hash: BlockHash | None, owner: str
-    ) -> bool:
-        """Publish a VALIDATED block; False if its hash is indexed already (duplicate)."""
-        block.block_hash = block_hash
-        block.parent_hash = parent_hash
-        if block_hash in self._index:
-            return False
-        block.state = _PUBLISH_FROM_VALIDATED  # _move(block, PUBLISH); callers checked VALIDATED
-        self._index[block_hash] = block.block_id
-        self._counters.blocks_published += 1
-        if self.record_events:
-            self._events.append(BlockStored(owner, (block_hash,), (block.block_id,), parent_hash))
-        return True
+    def _publish(
+        self, blocks: list[Block], publications: list[PendingPublication]
+    ) -> tuple[list[int], list[int]]:
+        """Publish VALIDATED blocks (the one publication path): ids published, and ids
+        whose hash another block holds in the index (they stay VALIDATED, hashed)."""
+        index = self._index
+        events = self._events if self.record_events else None
+        published: list[int] = []
+        duplicates: list[int] = []
+        for block, (block_hash, parent_hash, owner) in zip(blocks, publications, strict=True):
+            block_id = block.block_id
+            block.block_hash = block_hash
+            block.parent_hash = parent_hash
+            if block_hash in index:
+                duplicates.append(block_id)
+                continue
+            block.state = _PUBLISH_FROM_VALIDATED  # _move(block, PUBLISH); callers checked
+            index[block_hash] = block_id
+            published.append(block_id)
+            if events is not None:
+                events.append(BlockStored(owner, (block_hash,), (block_id,), parent_hash))
+        self._counters.blocks_published += len(published)
+        return published, duplicates
 
     def cached_block_id(self, block_hash: BlockHash) -> int | None:
         """The PUBLISHED/OFFLOADED block holding ``block_hash``, or None (no reference

@@ -261,6 +261,11 @@ class PoolCore:
         cached: list[Block] = []
         for block in released:
             state = block.state
+            if state in _STAYS_CACHED:  # the common case: an evictable cached block
+                if retention is not None:
+                    block.retention = retention
+                cached.append(block)
+                continue
             # A publication still waiting for its step dies with the last holder.
             block.pending_publication = None
             if state is _WRITTEN:

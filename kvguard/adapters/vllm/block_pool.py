@@ -127,6 +127,8 @@ class GuardedBlockPool(BlockPool):
         self.core = core
         # The block objects vLLM's managers see are kvguard's own records.
         self.blocks = cast("list[GuardedKVCacheBlock]", core.block_records)
+        for block in self.blocks:
+            block.pool = self  # as vLLM's own blocks name their pool
         self.null_block = self.blocks[null_id]
         self.null_block.is_null = True
         assert null_id == 0, "null block must be block 0"
@@ -366,16 +368,13 @@ class GuardedBlockPool(BlockPool):
         if core is None:
             super().free_blocks(ordered_blocks)
             return
-        ids: list[int] = []
+        released = ordered_blocks if isinstance(ordered_blocks, list) else list(ordered_blocks)
+        ids = [block.block_id for block in released if block.pool is self and not block.is_null]
         other_pools: dict[Any, list[KVCacheBlock]] = {}
-        for block in ordered_blocks:
-            if block.is_null:
-                continue
-            pool = block.pool
-            if pool is not None and pool is not self:
-                other_pools.setdefault(pool, []).append(block)
-                continue
-            ids.append(block.block_id)
+        if len(ids) != len(released):  # null blocks, or blocks of another pool
+            for block in released:
+                if block.pool is not self and not block.is_null:
+                    other_pools.setdefault(block.pool, []).append(block)
         # Released blocks whose step never validated are quarantined by kvguard here
         # (it raises, changing nothing, on a double free); a publication waiting for
         # its step dies with the last reference.
