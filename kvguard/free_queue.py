@@ -87,10 +87,10 @@ class FreeQueue:
 
     def push_evictable(self, blocks: list[Block]) -> None:
         """Enqueue cached blocks, ``blocks[0]`` to be evicted first (batched :meth:`push`)."""
-        key: int | None = None
-        bucket: OrderedDict[int, None] | None = None
+        key = blocks[0].retention
+        bucket = self._class(key)
         for block in blocks:
-            if bucket is None or block.retention != key:
+            if block.retention != key:
                 key = block.retention
                 bucket = self._class(key)
             bucket[block.block_id] = None

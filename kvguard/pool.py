@@ -26,7 +26,8 @@ import dataclasses
 import functools
 import os
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 from kvguard.block import Block, BlockInfo
@@ -110,6 +111,7 @@ class BlockPool(RequestSteps, Recovery, BlockSteps, TierGate):
             record_events=record_events,
             block_type=block_type,
         )
+        self._index_view = MappingProxyType(self._index)
         if check_invariants is None:
             check_invariants = os.environ.get(CHECK_INVARIANTS_ENV, "") not in ("", "0")
         if check_invariants:
@@ -162,6 +164,13 @@ class BlockPool(RequestSteps, Recovery, BlockSteps, TierGate):
         events = self._events
         self._events = []
         return events
+
+    @property
+    def prefix_index(self) -> Mapping[BlockHash, int]:
+        """The prefix index, read-only: hash -> id of the PUBLISHED/OFFLOADED block
+        holding it (``prefix_index.get`` is :meth:`cached_block_id` without a Python
+        call, for per-lookup hot paths)."""
+        return self._index_view
 
     @property
     def block_records(self) -> Sequence[Block]:

@@ -25,6 +25,7 @@ chunked-local and Mamba groups copy or re-point cached blocks (``move_block_hash
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
@@ -55,6 +56,13 @@ from .config import GuardConfig  # noqa: E402
 from .kv_block import GuardedKVCacheBlock  # noqa: E402
 
 _WRITTEN = BlockState.WRITTEN
+
+
+@functools.cache
+def _group_suffix(group_id: int) -> bytes:
+    """What make_block_hash_with_group_id appends to a block hash: the group id's 4
+    big-endian bytes."""
+    return group_id.to_bytes(4, "big", signed=False)
 
 
 class GuardModeUnsupported(NotImplementedError):
@@ -133,6 +141,7 @@ class GuardedBlockPool(BlockPool):
         self.null_block.is_null = True
         assert null_id == 0, "null block must be block 0"
         self.get_num_free_blocks = core.get_num_free_blocks
+        self._cached_block_id = core.prefix_index.get
         self.free_block_queue = _FreeQueueOwnedByKvGuard()
 
     # ------------------------------------------------------------------ steps (guarded)
@@ -205,9 +214,10 @@ class GuardedBlockPool(BlockPool):
         if core is None:
             return super().get_cached_block(block_hash, kv_cache_group_ids)
         out = []
+        lookup = self._cached_block_id
         for group_id in kv_cache_group_ids:
             # make_block_hash_with_group_id, inlined (BlockHash is a NewType).
-            block_id = core.cached_block_id(block_hash + group_id.to_bytes(4, "big", signed=False))
+            block_id = lookup(block_hash + _group_suffix(group_id))
             if block_id is None:
                 return None
             out.append(self.blocks[block_id])
@@ -242,39 +252,57 @@ class GuardedBlockPool(BlockPool):
         hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size, block_size)
         # make_block_hash_with_group_id(h, g) is h + g's 4 big-endian bytes (inlined:
         # BlockHash/BlockHashWithGroupId are NewTypes, i.e. calls that return their arg).
-        suffix = kv_cache_group_id.to_bytes(4, "big", signed=False)
+        suffix = _group_suffix(kv_cache_group_id)
         parent: BlockHash | None = None
         if num_cached_blocks:
             parent = hashes[num_cached_blocks - 1] + suffix
         owner = request.request_id
         events = self.enable_kv_cache_events
-        filled: list[int] | None = None
+        filled: list[int] = []
         publications = self._publications
-        for i in range(num_cached_blocks, num_full_blocks):
-            block: Any = blocks[i]
-            key: BlockHash = hashes[i] + suffix
-            if not block.is_null and (block_mask is None or block_mask[i - num_cached_blocks]):
+        i = num_cached_blocks
+        for block, block_hash in zip(
+            blocks[num_cached_blocks:num_full_blocks],
+            hashes[num_cached_blocks:num_full_blocks],
+            strict=True,
+        ):
+            key: BlockHash = block_hash + suffix
+            if block_mask is None or block_mask[i - num_cached_blocks]:
                 block_id = block.block_id
-                block.num_hash_tokens = (i + 1) * block_size
-                if block.state is _WRITTEN:
+                if block.state is _WRITTEN:  # (never the null block: it is ALLOCATED)
                     # Filled by the step being scheduled: published when it validates.
-                    if filled is None:
-                        filled = self._fills.setdefault(owner, [])
+                    block.num_hash_tokens = (i + 1) * block_size
                     filled.append(block_id)
                     publications[block_id] = (key, parent, owner)
                     if events:
                         self._deferred[block_id] = (request, i, block_size, kv_cache_group_id)
-                else:
-                    try:
-                        core.publish_block(block_id, key, parent, owner=owner)
-                    except IllegalTransitionError:
-                        pass  # quarantined by a failed step: never published
-                    else:
-                        if events:
-                            self._emit_block_stored(
-                                block, request, i, block_size, kv_cache_group_id
-                            )
+                elif not block.is_null:
+                    self._publish_now(block, key, parent, request, i, block_size, kv_cache_group_id)
             parent = key
+            i += 1
+        if filled:
+            self._fills.setdefault(owner, []).extend(filled)
+
+    def _publish_now(
+        self,
+        block: Any,
+        key: BlockHash,
+        parent: BlockHash | None,
+        request: Any,
+        index: int,
+        block_size: int,
+        group_id: int,
+    ) -> None:
+        """A block vLLM caches that no in-flight step writes: publish it now."""
+        core = self.core
+        assert core is not None
+        block.num_hash_tokens = (index + 1) * block_size
+        try:
+            core.publish_block(block.block_id, key, parent, owner=request.request_id)
+        except IllegalTransitionError:
+            return  # quarantined by a failed step: never published
+        if self.enable_kv_cache_events:
+            self._emit_block_stored(block, request, index, block_size, group_id)
 
     def _emit_block_stored(
         self, block: Any, request: Any, index: int, block_size: int, group_id: int
