@@ -51,6 +51,7 @@ class Side:
         )
         self.pending: list[Any] = []
         self.step_times: list[float] = []
+        self.schedule_times: list[float] = []
         self.depth = 2 if args.async_scheduling else 1
 
     def step(self) -> None:
@@ -58,6 +59,7 @@ class Side:
         start = _clock()
         so = s.schedule()
         elapsed = _clock() - start
+        self.schedule_times.append(elapsed)
         self.pending.append(so)
         if len(self.pending) == self.depth:
             done = self.pending.pop(0)
@@ -68,8 +70,8 @@ class Side:
         self.step_times.append(elapsed)
 
 
-def run_round(args: argparse.Namespace, repeat: int) -> tuple[list[float], list[float]]:
-    """One pass of the trace through both schedulers: per-step times (stock, guarded)."""
+def run_round(args: argparse.Namespace, repeat: int) -> tuple[Side, Side]:
+    """One pass of the trace through both schedulers (stock, guarded)."""
     rng = random.Random(args.seed)
     prefixes = [[rng.randrange(50_000) for _ in range(4 * BLOCK)] for _ in range(8)]
     arrivals: dict[int, list[tuple[str, list[int], int]]] = {}
@@ -92,7 +94,7 @@ def run_round(args: argparse.Namespace, repeat: int) -> tuple[list[float], list[
         if t > last_arrival and not stock.scheduler.requests and not guarded.scheduler.requests:
             break
     gc.unfreeze()
-    return stock.step_times, guarded.step_times
+    return stock, guarded
 
 
 def main() -> None:
@@ -108,26 +110,46 @@ def main() -> None:
         f"Python {platform.python_version()}, vllm {vllm.__version__}, "
         f"{'async' if args.async_scheduling else 'sync'} scheduling"
     )
-    stock_rounds: list[list[float]] = []
-    guard_rounds: list[list[float]] = []
+    stock_rounds: list[Side] = []
+    guard_rounds: list[Side] = []
     for r in range(args.rounds):
         stock, guard = run_round(args, r)
         stock_rounds.append(stock)
         guard_rounds.append(guard)
+        s_total, g_total = sum(stock.step_times), sum(guard.step_times)
         print(
-            f"round {r}: {len(stock)} steps, stock {statistics.fmean(stock) * 1e6:7.1f} us/step, "
-            f"guarded {statistics.fmean(guard) * 1e6:7.1f} us/step, "
-            f"ratio {sum(guard) / sum(stock):.3f}"
+            f"round {r}: {len(stock.step_times)} steps, "
+            f"stock {s_total / len(stock.step_times) * 1e6:7.1f} us/step, "
+            f"guarded {g_total / len(guard.step_times) * 1e6:7.1f} us/step, "
+            f"ratio {g_total / s_total:.3f}"
         )
+
     # Every round replays the same trace, so step t does the same work in each: the
     # fastest of its R timings is that step's cost without the machine's noise
     # (interrupts, neighbours, frequency changes), on either side.
-    best_stock = [min(times) for times in zip(*stock_rounds, strict=True)]
-    best_guard = [min(times) for times in zip(*guard_rounds, strict=True)]
+    def best(sides: list[Side], attr: str) -> list[float]:
+        return [min(times) for times in zip(*(getattr(s, attr) for s in sides), strict=True)]
+
+    best_stock, best_guard = best(stock_rounds, "step_times"), best(guard_rounds, "step_times")
+    sched_stock = best(stock_rounds, "schedule_times")
+    sched_guard = best(guard_rounds, "schedule_times")
+    steps = len(best_stock)
     pairs = zip(stock_rounds, guard_rounds, strict=True)
-    median = statistics.median(sum(g) / sum(s) for s, g in pairs)
-    print(f"stock vLLM   {statistics.fmean(best_stock) * 1e6:9.1f} us/step (each step's best)")
-    print(f"kvguard      {statistics.fmean(best_guard) * 1e6:9.1f} us/step (each step's best)")
+    median = statistics.median(sum(g.step_times) / sum(s.step_times) for s, g in pairs)
+    print(f"stock vLLM   {sum(best_stock) / steps * 1e6:9.1f} us/step (each step's best)")
+    print(f"kvguard      {sum(best_guard) / steps * 1e6:9.1f} us/step (each step's best)")
+    print(
+        f"  schedule():           stock {sum(sched_stock) / steps * 1e6:7.1f}, "
+        f"guarded {sum(sched_guard) / steps * 1e6:7.1f} us/step, "
+        f"ratio {sum(sched_guard) / sum(sched_stock):.3f}"
+    )
+    upd_stock = sum(best_stock) - sum(sched_stock)
+    upd_guard = sum(best_guard) - sum(sched_guard)
+    print(
+        f"  update_from_output(): stock {upd_stock / steps * 1e6:7.1f}, "
+        f"guarded {upd_guard / steps * 1e6:7.1f} us/step, ratio {upd_guard / upd_stock:.3f} "
+        "(approx.: step best minus schedule best)"
+    )
     print(f"median of per-round ratios: {median:.3f}")
     print(f"ratio guarded/stock = {sum(best_guard) / sum(best_stock):.3f} (goal <= 1.02)")
 

@@ -274,3 +274,88 @@ def test_allocate_blocks_write_is_allocate_then_write_blocks() -> None:
     with pytest.raises(NoPendingStepError):  # one step each, like write_blocks
         pool.validate_blocks([ids[1]])
     pool.check_invariants()
+
+
+def test_validate_with_held_publications_publishes_after_validation() -> None:
+    pool = _pool()
+    a, b, c = pool.allocate_blocks(3, write=True)
+    result = pool.validate_blocks(
+        [a, b], publish={a: (H1, None, "r1"), b: (H2, H1, "r1"), c: (H1, None, "x")}
+    )
+    assert result.validated == (a, b)
+    assert result.published == (a, b)
+    assert pool.cached_block_id(H1) == a and pool.cached_block_id(H2) == b
+    assert _state(pool, c) is BlockState.WRITTEN  # its entry is ignored: not validated here
+    assert pool.block_hash(c) is None
+    assert pool.stats().counters.withheld_publications == 2
+    events = [e for e in pool.take_events() if isinstance(e, BlockStored)]
+    assert [(e.request_id, e.block_ids, e.parent_hash) for e in events] == [
+        ("r1", (a,), None),
+        ("r1", (b,), H1),
+    ]
+
+
+def test_held_publication_of_a_block_another_step_still_writes_waits() -> None:
+    pool = _pool()
+    (a,) = pool.allocate_blocks(1, write=True)
+    pool.write_blocks([a])  # a second in-flight step writes it too
+    result = pool.validate_blocks([a], publish={a: (H1, None, "r1")})
+    assert result.validated == () and pool.cached_block_id(H1) is None
+    assert pool.validate_blocks([a]).published == (a,)  # published with the last writer
+    assert pool.cached_block_id(H1) == a
+
+
+def test_held_publication_of_an_indexed_hash_is_a_duplicate() -> None:
+    pool = _pool()
+    a, b = pool.allocate_blocks(2, write=True)
+    result = pool.validate_blocks([a, b], publish={a: (H1, None, ""), b: (H1, None, "")})
+    assert (result.published, result.duplicates) == ((a,), (b,))
+    assert _state(pool, b) is BlockState.VALIDATED and pool.block_hash(b) == H1
+
+
+def test_validate_with_held_publications_needs_caching_and_changes_nothing_on_error() -> None:
+    pool = BlockPool(4, 4, enable_caching=False, check_invariants=True)
+    (a,) = pool.allocate_blocks(1, write=True)
+    before = pool.snapshot()
+    with pytest.raises(PoolMisuseError):
+        pool.validate_blocks([a], publish={a: (H1, None, "")})
+    assert pool.snapshot() == before
+    pool = _pool()
+    a, b = pool.allocate_blocks(2, write=True)
+    before = pool.snapshot()
+    with pytest.raises(NoPendingStepError):
+        pool.validate_blocks([a, b, a], publish={a: (H1, None, ""), b: (H2, H1, "")})
+    assert pool.snapshot() == before
+
+
+def test_record_events_false_keeps_the_event_queue_empty() -> None:
+    pool = BlockPool(3, 4, record_events=False, check_invariants=True)
+    (a,) = pool.allocate_blocks(1, write=True)
+    pool.validate_blocks([a], publish={a: (H1, None, "r1")})
+    pool.release_blocks([a])
+    pool.allocate_blocks(3)  # evicts a
+    assert pool.cached_block_id(H1) is None
+    assert pool.take_events() == []
+    assert pool.stats().counters.blocks_published == 1
+
+
+def test_block_type_and_block_records() -> None:
+    from dataclasses import dataclass
+
+    from kvguard.block import Block
+
+    @dataclass(slots=True, eq=False)
+    class TaggedBlock(Block):
+        tag: str = "engine field"
+
+    pool = BlockPool(3, 4, block_type=TaggedBlock, check_invariants=True)
+    records = pool.block_records
+    assert [type(r) for r in records] == [TaggedBlock] * 3
+    (a,) = pool.allocate_blocks(1, write=True)
+    assert records[a].state is BlockState.WRITTEN and records[a].ref_cnt == 1
+    pool.validate_blocks([a], publish={a: (H1, None, "")})
+    assert records[a].block_hash == H1 and pool.prefix_index == {H1: a}
+    with pytest.raises(TypeError):
+        pool.prefix_index[H2] = a  # type: ignore[index]
+    with pytest.raises(PoolMisuseError):
+        BlockPool(3, 4, block_type=dict)  # type: ignore[arg-type]
