@@ -12,9 +12,10 @@ subclass, so every attribute vLLM or a connector reads exists). Two modes:
   vLLM's managers hold are kvguard's own block records
   (:class:`~kvguard.adapters.vllm.kv_block.GuardedKVCacheBlock`): the ``ref_cnt`` and
   ``block_hash`` vLLM reads are kvguard's, written once, never a mirrored copy.
-  ``cache_full_blocks`` no longer inserts at schedule time: it asks kvguard to publish,
-  and kvguard defers blocks whose step is still unchecked until
-  :meth:`validate_step` says it passed. The guarded scheduler drives
+  ``cache_full_blocks`` no longer inserts at schedule time: it notes the blocks the
+  step being scheduled fills and the publication each is due (hash, parent, owner);
+  :meth:`validate_step` hands both to kvguard once the step's output is clean, and
+  kvguard validates and publishes them in one call. The guarded scheduler drives
   :meth:`take_step_fills` / :meth:`validate_step` / :meth:`settle_tail` /
   :meth:`fail_step`.
 
