@@ -24,6 +24,7 @@ from kvguard.pool_core import (
     _FAIL,
     _PUBLISH,
     _PUBLISH_FROM_VALIDATED,
+    _STAYS_CACHED,
     _VALIDATE_FROM_WRITTEN,
     _VALIDATED,
     _WRITE,
@@ -84,7 +85,8 @@ class BlockSteps(PoolCore):
         num_blocks = self.num_blocks
         # One pass drops the references, stopping at the first one that cannot be
         # dropped; then the drops are undone and the checking path names the error.
-        released: list[Block] = []
+        cached: list[Block] = []  # last reference gone, stays cached: evictable
+        released: list[Block] = []  # last reference gone, any other state
         done = 0
         for block_id in ids:
             if type(block_id) is not int or not 0 <= block_id < num_blocks:
@@ -97,13 +99,15 @@ class BlockSteps(PoolCore):
             block.ref_cnt = ref
             done += 1
             if not ref:
-                released.append(block)
+                (cached if block.state in _STAYS_CACHED else released).append(block)
         if done != len(ids):
             for block_id in ids[:done]:
                 block = blocks[block_id]
                 block.external_refs += 1
                 block.ref_cnt += 1
             self._raise_release_error(ids)
+        if cached:
+            self._free.push_evictable(cached)  # RELEASE keeps them cached (a self-loop)
         if released:
             self._drop_last_refs(released, None)
 
@@ -265,24 +269,35 @@ class BlockSteps(PoolCore):
         """validate_blocks for distinct, checked blocks whose one writer is this step
         (a block-level holder's usual case): one applying pass."""
         blocks = self._blocks
-        held = publish.get if publish else _nothing_held
         to_publish: list[Block] = []
         publications: list[PendingPublication] = []
         num_held = 0
-        for block_id in ids:
-            block = blocks[block_id]
-            block.writers = 0
-            block.state = _VALIDATE_FROM_WRITTEN  # WRITTEN --VALIDATE--> VALIDATED
-            pending = held(block_id)
-            if pending is None:
-                pending = block.pending_publication
+        if publish:
+            held = publish.get
+            for block_id in ids:
+                block = blocks[block_id]
+                block.writers = 0
+                block.state = _VALIDATE_FROM_WRITTEN  # WRITTEN --VALIDATE--> VALIDATED
+                pending = held(block_id)
                 if pending is None:
-                    continue
-            else:
-                num_held += 1
-            block.pending_publication = None
-            to_publish.append(block)
-            publications.append(pending)
+                    pending = block.pending_publication
+                    if pending is None:
+                        continue
+                else:
+                    num_held += 1
+                block.pending_publication = None
+                to_publish.append(block)
+                publications.append(pending)
+        else:
+            for block_id in ids:
+                block = blocks[block_id]
+                block.writers = 0
+                block.state = _VALIDATE_FROM_WRITTEN
+                pending = block.pending_publication
+                if pending is not None:
+                    block.pending_publication = None
+                    to_publish.append(block)
+                    publications.append(pending)
         if not to_publish:
             return BlockValidation(tuple(ids))
         if num_held:

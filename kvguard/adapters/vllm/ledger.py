@@ -63,7 +63,11 @@ class StepLedger:
 
     def in_flight(self, request_id: str) -> bool:
         """Whether a step scheduled with the request has not reported back yet."""
-        return any(request_id in record.scheduled for record in self._steps)
+        # A plain loop, not any(<generator>): called for every finished request.
+        for record in self._steps:  # noqa: SIM110
+            if request_id in record.scheduled:
+                return True
+        return False
 
     def later_fills(self, request_id: str) -> Iterator[int]:
         """Blocks the request's still-in-flight steps fill, removing them (its abort)."""
