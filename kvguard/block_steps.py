@@ -22,6 +22,7 @@ from kvguard.pool_core import (
     _ACQUIRE,
     _ALLOCATED,
     _FAIL,
+    _FREE,
     _PUBLISH,
     _PUBLISH_FROM_VALIDATED,
     _STAYS_CACHED,
@@ -85,8 +86,11 @@ class BlockSteps(PoolCore):
         num_blocks = self.num_blocks
         # One pass drops the references, stopping at the first one that cannot be
         # dropped; then the drops are undone and the checking path names the error.
-        cached: list[Block] = []  # last reference gone, stays cached: evictable
-        released: list[Block] = []  # last reference gone, any other state
+        # Blocks whose last reference goes: never written (they become FREE), cached
+        # (they stay, evictable), any other state (_drop_last_refs decides).
+        unwritten: list[Block] = []
+        cached: list[Block] = []
+        released: list[Block] = []
         done = 0
         for block_id in ids:
             if type(block_id) is not int or not 0 <= block_id < num_blocks:
@@ -99,13 +103,25 @@ class BlockSteps(PoolCore):
             block.ref_cnt = ref
             done += 1
             if not ref:
-                (cached if block.state in _STAYS_CACHED else released).append(block)
+                state = block.state
+                if state is _ALLOCATED:
+                    unwritten.append(block)
+                elif state in _STAYS_CACHED:
+                    cached.append(block)
+                else:
+                    released.append(block)
         if done != len(ids):
             for block_id in ids[:done]:
                 block = blocks[block_id]
                 block.external_refs += 1
                 block.ref_cnt += 1
             self._raise_release_error(ids)
+        if unwritten:
+            free_ids = []
+            for block in unwritten:
+                block.state = _FREE  # ALLOCATED --RELEASE--> FREE, inlined
+                free_ids.append(block.block_id)
+            self._free.push_empty(free_ids)
         if cached:
             self._free.push_evictable(cached)  # RELEASE keeps them cached (a self-loop)
         if released:

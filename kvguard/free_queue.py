@@ -106,6 +106,19 @@ class FreeQueue:
         self._num_evictable += len(block_ids)
         self.size += len(block_ids)
 
+    def take_empty(self, n: int) -> list[int] | None:
+        """The fast path of :meth:`take`: the next ``n`` ids when they are all FREE
+        blocks (no quarantined block waiting, enough empty ones); else None and nothing
+        taken."""
+        empty = self._empty
+        if self._quarantined or len(empty) < n:
+            return None
+        ids = empty[-n:]
+        del empty[-n:]
+        ids.reverse()
+        self.size -= n
+        return ids
+
     def take(self, n: int) -> tuple[list[int], int, int]:
         """Take the next ``n`` ids in hand-out order: ``(ids, q, e)`` where the first
         ``q`` ids were quarantined and the last ``e`` were cached (now evicted); the
@@ -113,11 +126,6 @@ class FreeQueue:
         self.size -= n
         quarantined = self._quarantined
         empty = self._empty
-        if not quarantined and len(empty) >= n:  # the common case: empty blocks only
-            ids = empty[-n:]
-            del empty[-n:]
-            ids.reverse()
-            return ids, 0, 0
         ids = []
         left = n
         num_quarantined = 0

@@ -201,15 +201,17 @@ class PoolCore:
         if n <= 0:
             return []
         free = self._free
-        if n > free.size:
-            raise OutOfBlocksError(n, free.size)
-        ids, num_quarantined, num_evicted = free.take(n)
-        if num_quarantined and self.zero_policy is _ZERO_SUSPECT:
-            for block_id in ids[:num_quarantined]:
-                self._zero.add_block(block_id)
-            self._counters.blocks_zeroed += num_quarantined
-        if num_evicted:
-            self._evict(ids[n - num_evicted :])
+        ids = free.take_empty(n)
+        if ids is None:
+            if n > free.size:
+                raise OutOfBlocksError(n, free.size)
+            ids, num_quarantined, num_evicted = free.take(n)
+            if num_quarantined and self.zero_policy is _ZERO_SUSPECT:
+                for block_id in ids[:num_quarantined]:
+                    self._zero.add_block(block_id)
+                self._counters.blocks_zeroed += num_quarantined
+            if num_evicted:
+                self._evict(ids[n - num_evicted :])
         # FREE/QUARANTINED --ALLOCATE--> ALLOCATED for every one of them, inlined (the
         # import-time check below the table views guarantees the table agrees).
         blocks = self._blocks
