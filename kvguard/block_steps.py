@@ -120,6 +120,7 @@ class BlockSteps(PoolCore):
             free_ids = []
             for block in unwritten:
                 block.state = _FREE  # ALLOCATED --RELEASE--> FREE, inlined
+                block.pending_publication = None  # dies with the last holder
                 free_ids.append(block.block_id)
             self._free.push_empty(free_ids)
         if cached:
