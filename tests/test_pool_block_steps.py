@@ -359,3 +359,15 @@ def test_block_type_and_block_records() -> None:
         pool.prefix_index[H2] = a  # type: ignore[index]
     with pytest.raises(PoolMisuseError):
         BlockPool(3, 4, block_type=dict)  # type: ignore[arg-type]
+
+
+def test_a_waiting_publication_dies_with_the_last_holder_of_an_unwritten_block() -> None:
+    pool = _pool()  # check_invariants=True: a leftover publication would raise
+    (a,) = pool.allocate_blocks(1)
+    assert pool.publish_block(a, H1) is PublishOutcome.DEFERRED
+    pool.release_blocks([a])
+    assert _state(pool, a) is BlockState.FREE
+    (b,) = pool.allocate_blocks(1, write=True)
+    assert b == a
+    assert pool.validate_blocks([b]).published == ()  # nothing left to publish
+    assert pool.cached_block_id(H1) is None
