@@ -290,6 +290,13 @@ class BlockSteps(PoolCore):
         publications: list[PendingPublication] = []
         num_held = 0
         if publish:
+            # The per-step hot path of an engine that holds its publications until
+            # the step validates (the vLLM adapter): _publish's loop, fused into
+            # the validation pass.
+            index = self._index
+            events = self._events if self.record_events else None
+            published: list[int] = []
+            duplicates: list[int] = []
             held = publish.get
             for block_id in ids:
                 block = blocks[block_id]
@@ -303,8 +310,20 @@ class BlockSteps(PoolCore):
                 else:
                     num_held += 1
                 block.pending_publication = None
-                to_publish.append(block)
-                publications.append(pending)
+                block_hash, parent_hash, owner = pending
+                block.block_hash = block_hash
+                block.parent_hash = parent_hash
+                if block_hash in index:
+                    duplicates.append(block_id)
+                    continue
+                block.state = _PUBLISH_FROM_VALIDATED
+                index[block_hash] = block_id
+                published.append(block_id)
+                if events is not None:
+                    events.append(BlockStored(owner, (block_hash,), (block_id,), parent_hash))
+            self._counters.withheld_publications += num_held
+            self._counters.blocks_published += len(published)
+            return BlockValidation(tuple(ids), tuple(published), tuple(duplicates))
         else:
             for block_id in ids:
                 block = blocks[block_id]

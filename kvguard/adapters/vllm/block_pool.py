@@ -186,9 +186,10 @@ class GuardedBlockPool(BlockPool):
         does not quarantine them."""
         ids: list[int] = []
         for blocks in block_lists:
-            # Blocks are filled, hence validated, in order: the unvalidated ones trail.
+            # Blocks are filled, hence validated, in order: the unvalidated ones trail
+            # (the null block is never WRITTEN).
             for block in reversed(blocks):
-                if block.state is not _WRITTEN or block.is_null:
+                if block.state is not _WRITTEN:
                     break
                 ids.append(block.block_id)
         if ids:

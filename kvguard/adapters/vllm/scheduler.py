@@ -52,6 +52,7 @@ from .plugin import stock_needs_zeroing  # noqa: E402
 logger = init_logger(__name__)
 
 NAN_SETTING = "VLLM_COMPUTE_NANS_IN_LOGITS"
+_NONE: frozenset[str] = frozenset()
 
 
 class _GuardMixin:
@@ -74,6 +75,7 @@ class _GuardMixin:
                 "scheduler in pass-through mode."
             )
         self.kvguard_pool = install_guarded_pool(self.kv_cache_manager, guard)
+        self._kvguard_managers = tuple(self.kv_cache_manager.coordinator.single_type_managers)
         if guard.enabled:
             self._kvguard_setup_zeroing(self.kv_cache_config)
             self._kvguard_check_connector()
@@ -182,7 +184,12 @@ class _GuardMixin:
             if any(nans.values())
             else {}
         )
-        suspect = self._kvguard_load_failures(model_runner_output.kv_connector_output, record)
+        connector_output = model_runner_output.kv_connector_output
+        suspect = (
+            self._kvguard_load_failures(connector_output, record)
+            if connector_output is not None
+            else _NONE
+        )
         if len(nans) < len(scheduled):
             metrics.steps_unchecked += sum(1 for r in scheduled if r not in nans)
         metrics.steps_validated += len(scheduled) - len(dropped) - len(failed)
@@ -246,8 +253,6 @@ class _GuardMixin:
 
     def _kvguard_load_failures(self, kv_connector_output: Any, record: Any) -> set[str]:
         """Requests of this step whose KV (partly) failed to load from a connector."""
-        if kv_connector_output is None:
-            return set()
         out = set(kv_connector_output.failed_recving or ())
         invalid = kv_connector_output.invalid_block_ids
         if invalid:
@@ -279,8 +284,7 @@ class _GuardMixin:
             return
         if req_id not in self._kvguard_failing and not ledger.in_flight(req_id):
             pool.settle_tail(
-                manager.req_to_blocks.get(req_id, ())
-                for manager in self.kv_cache_manager.coordinator.single_type_managers
+                [manager.req_to_blocks.get(req_id, ()) for manager in self._kvguard_managers]
             )
         ledger.forget(req_id)
 
