@@ -6,7 +6,7 @@ the block-level write/validate ledger with deferred publication.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 from kvguard.block import Block, PendingPublication
 from kvguard.errors import (
@@ -216,6 +216,8 @@ class BlockSteps(PoolCore):
             raise PoolMisuseError("validate_blocks(publish=...) needs enable_caching=True")
         blocks = self._blocks
         num_blocks = self.num_blocks
+        # The usual case -- distinct blocks, each written by this step alone: one
+        # checking pass, then one applying pass.
         if len(set(ids)) == len(ids):
             for block_id in ids:
                 if type(block_id) is not int or not 0 <= block_id < num_blocks:
@@ -224,7 +226,7 @@ class BlockSteps(PoolCore):
                 if block.state is not _WRITTEN or block.writers != 1:
                     break
             else:
-                return self._validate_sole_writers(ids, publish)
+                return self._validate_and_publish(ids, publish)
         # One pass counts the validations off the writers, stopping at the first
         # block with no step left to validate; then the counts are restored and the
         # checking path names the error.
@@ -245,24 +247,36 @@ class BlockSteps(PoolCore):
             for block_id in ids[:done]:
                 blocks[block_id].writers += 1
             self._raise_validate_error(ids)
-        if publish:
-            if len(finished) != len(ids):
-                # Blocks another in-flight step still writes: their publication
-                # waits for that step, as publish_block's would.
-                for block_id in ids:
-                    block = blocks[block_id]
-                    if block.writers and block_id in publish:
-                        block.pending_publication = publish[block_id]
-            held: Callable[[int], PendingPublication | None] = publish.get
-        else:
-            held = _nothing_held
+        if publish and len(finished) != len(ids):
+            # Blocks another in-flight step still writes: their publication waits for
+            # that step, as publish_block's would.
+            for block_id in ids:
+                block = blocks[block_id]
+                if block.writers and block_id in publish:
+                    block.pending_publication = publish[block_id]
+        return self._validate_and_publish([block.block_id for block in finished], publish)
+
+    def _validate_and_publish(
+        self, ids: list[int], publish: Mapping[int, PendingPublication] | None
+    ) -> BlockValidation:
+        """Make these blocks VALIDATED -- distinct blocks whose last writer passed, or
+        that are VALIDATED already; the caller checked -- and carry out each one's
+        publication: the one ``publish`` holds for it, else the one
+        :meth:`publish_block` recorded. The one publication path of the pool's
+        block-level API, and one pass: the per-step hot path of an engine (vLLM's
+        adapter validates and publishes a whole step here)."""
+        blocks = self._blocks
+        index = self._index
+        events = self._events if self.record_events else None
+        held = publish.get if publish else _nothing_held
+        published: list[int] = []
+        duplicates: list[int] = []
         num_held = 0
-        to_publish: list[Block] = []
-        publications: list[PendingPublication] = []
-        for block in finished:
-            # WRITTEN --VALIDATE--> VALIDATED, inlined.
-            block.state = _VALIDATE_FROM_WRITTEN
-            pending = held(block.block_id)
+        for block_id in ids:
+            block = blocks[block_id]
+            block.writers = 0
+            block.state = _VALIDATE_FROM_WRITTEN  # WRITTEN --VALIDATE--> VALIDATED
+            pending = held(block_id)
             if pending is None:
                 pending = block.pending_publication
                 if pending is None:
@@ -270,75 +284,21 @@ class BlockSteps(PoolCore):
             else:
                 num_held += 1
             block.pending_publication = None
-            to_publish.append(block)
-            publications.append(pending)
-        validated = tuple([block.block_id for block in finished])
-        if not to_publish:
-            return BlockValidation(validated)
+            block_hash, parent_hash, owner = pending
+            block.block_hash = block_hash
+            block.parent_hash = parent_hash
+            if block_hash in index:
+                duplicates.append(block_id)  # stays VALIDATED, hashed (storable)
+                continue
+            block.state = _PUBLISH_FROM_VALIDATED  # VALIDATED --PUBLISH--> PUBLISHED
+            index[block_hash] = block_id
+            published.append(block_id)
+            if events is not None:
+                events.append(BlockStored(owner, (block_hash,), (block_id,), parent_hash))
         if num_held:
             self._counters.withheld_publications += num_held
-        published, duplicates = self._publish(to_publish, publications)
-        return BlockValidation(validated, tuple(published), tuple(duplicates))
-
-    def _validate_sole_writers(
-        self, ids: list[int], publish: Mapping[int, PendingPublication] | None
-    ) -> BlockValidation:
-        """validate_blocks for distinct, checked blocks whose one writer is this step
-        (a block-level holder's usual case): one applying pass."""
-        blocks = self._blocks
-        to_publish: list[Block] = []
-        publications: list[PendingPublication] = []
-        num_held = 0
-        if publish:
-            # The per-step hot path of an engine that holds its publications until
-            # the step validates (the vLLM adapter): _publish's loop, fused into
-            # the validation pass.
-            index = self._index
-            events = self._events if self.record_events else None
-            published: list[int] = []
-            duplicates: list[int] = []
-            held = publish.get
-            for block_id in ids:
-                block = blocks[block_id]
-                block.writers = 0
-                block.state = _VALIDATE_FROM_WRITTEN  # WRITTEN --VALIDATE--> VALIDATED
-                pending = held(block_id)
-                if pending is None:
-                    pending = block.pending_publication
-                    if pending is None:
-                        continue
-                else:
-                    num_held += 1
-                block.pending_publication = None
-                block_hash, parent_hash, owner = pending
-                block.block_hash = block_hash
-                block.parent_hash = parent_hash
-                if block_hash in index:
-                    duplicates.append(block_id)
-                    continue
-                block.state = _PUBLISH_FROM_VALIDATED
-                index[block_hash] = block_id
-                published.append(block_id)
-                if events is not None:
-                    events.append(BlockStored(owner, (block_hash,), (block_id,), parent_hash))
-            self._counters.withheld_publications += num_held
+        if published:
             self._counters.blocks_published += len(published)
-            return BlockValidation(tuple(ids), tuple(published), tuple(duplicates))
-        else:
-            for block_id in ids:
-                block = blocks[block_id]
-                block.writers = 0
-                block.state = _VALIDATE_FROM_WRITTEN
-                pending = block.pending_publication
-                if pending is not None:
-                    block.pending_publication = None
-                    to_publish.append(block)
-                    publications.append(pending)
-        if not to_publish:
-            return BlockValidation(tuple(ids))
-        if num_held:
-            self._counters.withheld_publications += num_held
-        published, duplicates = self._publish(to_publish, publications)
         return BlockValidation(tuple(ids), tuple(published), tuple(duplicates))
 
     def _raise_validate_error(self, ids: list[int]) -> None:
@@ -404,37 +364,15 @@ class BlockSteps(PoolCore):
                 raise PoolMisuseError(f"block {block_id} is already published under another hash")
             return PublishOutcome.PUBLISHED
         if state is _VALIDATED:
-            published, _ = self._publish([block], [(block_hash, parent_hash, owner)])
-            return PublishOutcome.PUBLISHED if published else PublishOutcome.DUPLICATE
+            block.pending_publication = (block_hash, parent_hash, owner)
+            if self._validate_and_publish([block_id], None).published:
+                return PublishOutcome.PUBLISHED
+            return PublishOutcome.DUPLICATE
         if state in (_ALLOCATED, _WRITTEN) and block.ref_cnt:
             block.pending_publication = (block_hash, parent_hash, owner)
             self._counters.withheld_publications += 1
             return PublishOutcome.DEFERRED
         raise IllegalTransitionError(block_id, state, _PUBLISH)
-
-    def _publish(
-        self, blocks: list[Block], publications: list[PendingPublication]
-    ) -> tuple[list[int], list[int]]:
-        """Publish VALIDATED blocks (the one publication path): ids published, and ids
-        whose hash another block holds in the index (they stay VALIDATED, hashed)."""
-        index = self._index
-        events = self._events if self.record_events else None
-        published: list[int] = []
-        duplicates: list[int] = []
-        for block, (block_hash, parent_hash, owner) in zip(blocks, publications, strict=True):
-            block_id = block.block_id
-            block.block_hash = block_hash
-            block.parent_hash = parent_hash
-            if block_hash in index:
-                duplicates.append(block_id)
-                continue
-            block.state = _PUBLISH_FROM_VALIDATED  # _move(block, PUBLISH); callers checked
-            index[block_hash] = block_id
-            published.append(block_id)
-            if events is not None:
-                events.append(BlockStored(owner, (block_hash,), (block_id,), parent_hash))
-        self._counters.blocks_published += len(published)
-        return published, duplicates
 
     def cached_block_id(self, block_hash: BlockHash) -> int | None:
         """The PUBLISHED/OFFLOADED block holding ``block_hash``, or None (no reference
