@@ -44,7 +44,7 @@ def test_decode_steps_leave_the_partial_block_written_until_it_fills() -> None:
     step(s)  # ... whose validation published it; block 2 is the new tail
     assert _states(s, "a")[:2] == [BlockState.PUBLISHED, BlockState.PUBLISHED]
     assert _states(s, "a")[2] is BlockState.WRITTEN
-    s.kvguard_pool.check_mirror()
+    s.kvguard_pool.check_consistency()
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -66,4 +66,4 @@ def test_clean_finish_frees_the_tail_without_quarantine(async_scheduling: bool) 
     # scheduler schedules no step past max_tokens), so the tail is freed as validated.
     assert quarantined == 0
     assert core.stats().blocks_by_state[BlockState.PUBLISHED] == 1
-    s.kvguard_pool.check_mirror()
+    s.kvguard_pool.check_consistency()

@@ -59,7 +59,7 @@ def test_block_stored_waits_for_validation_and_matches_stock() -> None:
     assert {(e.block_size, e.medium, e.lora_name) for e in events} == {
         (expected.block_size, expected.medium, expected.lora_name)
     }
-    guarded.check_mirror()
+    guarded.check_consistency()
 
 
 def test_eviction_emits_block_removed_and_reaches_the_metrics_collector() -> None:
@@ -91,4 +91,4 @@ def test_eviction_emits_block_removed_and_reaches_the_metrics_collector() -> Non
         h for e in stored for h in e.block_hashes
     }
     assert sorted(evicted) == sorted(b.block_id for b in blocks)
-    pool.check_mirror()
+    pool.check_consistency()

@@ -125,7 +125,7 @@ def test_store_jobs_never_include_unvalidated_blocks(async_scheduling: bool) -> 
             if core is not None:
                 for blocks in built.values():
                     assert {core.block_state(b) for b in blocks} <= STORABLE, blocks
-                s.kvguard_pool.check_mirror()
+                s.kvguard_pool.check_consistency()
             in_flight.append(so)
             if async_scheduling and len(in_flight) < 2:
                 continue  # the next step is scheduled before this one's output
@@ -194,7 +194,7 @@ def test_failed_request_stores_its_validated_chunks_only_and_they_hit() -> None:
     so6 = s.schedule()
     assert so6.num_scheduled_tokens == {"retry": BLOCK}
     s.update_from_output(so6, output(s, so6))
-    s.kvguard_pool.check_mirror()
+    s.kvguard_pool.check_consistency()
 
 
 def _finish_and_offer(s: Any, prompt: list[int]) -> tuple[Any, int]:
@@ -229,7 +229,7 @@ def test_late_ack_after_the_blocks_were_reused_is_dropped() -> None:
     assert stats["dropped_acks"] == 2
     assert stats["offload_chunks_discarded"] == 2
     assert stats["offload_chunks_stored"] == 0
-    s.kvguard_pool.check_mirror()
+    s.kvguard_pool.check_consistency()
 
 
 def test_late_ack_after_invalidation_is_dropped() -> None:

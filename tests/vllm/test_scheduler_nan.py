@@ -42,7 +42,7 @@ def test_nan_in_prefill_chunk_aborts_only_that_request(nan_chunk: int) -> None:
         nans = {"a": 3} if chunk == nan_chunk else {}
         out = s.update_from_output(so, model_output(s, so, nans))
         reasons.update(finish_reasons(out))
-        s.kvguard_pool.check_mirror()
+        s.kvguard_pool.check_consistency()
         if "a" in reasons:
             break
     assert reasons["a"] == "error"
@@ -76,7 +76,7 @@ def test_retry_after_abort_hits_exactly_the_validated_prefix() -> None:
     (table,) = s.kv_cache_manager.get_block_ids("a-retry")
     assert zeroed[0] in table and zeroed[0] not in table[:2]
     s.update_from_output(so, model_output(s, so))
-    s.kvguard_pool.check_mirror()
+    s.kvguard_pool.check_consistency()
 
 
 def test_nan_in_decode_aborts_and_keeps_prompt_blocks() -> None:
@@ -117,7 +117,7 @@ def test_async_nan_quarantines_the_step_in_flight_behind_it() -> None:
     core = s.kvguard_pool.core
     assert core.stats().blocks_by_state[BlockState.QUARANTINED] == 2
     assert core.stats().blocks_by_state[BlockState.PUBLISHED] == 0
-    s.kvguard_pool.check_mirror()
+    s.kvguard_pool.check_consistency()
 
 
 def test_guard_refuses_to_start_without_nan_counts(monkeypatch: pytest.MonkeyPatch) -> None:

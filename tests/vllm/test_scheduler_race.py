@@ -57,7 +57,7 @@ def test_async_request_admitted_next_step_does_not_hit_unvalidated_blocks() -> N
     (c_table,) = s.kv_cache_manager.get_block_ids("c")
     (b_table,) = s.kv_cache_manager.get_block_ids("b")
     assert c_table[:3] == b_table[:3]
-    s.kvguard_pool.check_mirror()
+    s.kvguard_pool.check_consistency()
 
 
 def test_client_abort_mid_step_quarantines_and_zeroes_on_reuse() -> None:
@@ -74,7 +74,7 @@ def test_client_abort_mid_step_quarantines_and_zeroes_on_reuse() -> None:
     assert hit_tokens(so2)["b"] == 0
     (table,) = s.kv_cache_manager.get_block_ids("b")
     assert sorted(so2.new_block_ids_to_zero or []) == sorted(table)
-    s.kvguard_pool.check_mirror()
+    s.kvguard_pool.check_consistency()
 
 
 def test_preemption_mid_step_quarantines_only_the_unchecked_blocks() -> None:
@@ -96,7 +96,7 @@ def test_preemption_mid_step_quarantines_only_the_unchecked_blocks() -> None:
     s.update_from_output(so2, model_output(s, so2))
     states = [core.block_state(b) for b in s.kv_cache_manager.get_block_ids("a")[0]]
     assert BlockState.QUARANTINED not in states
-    s.kvguard_pool.check_mirror()
+    s.kvguard_pool.check_consistency()
 
 
 def test_zeroed_blocks_never_hold_validated_kv() -> None:
@@ -118,7 +118,7 @@ def test_zeroed_blocks_never_hold_validated_kv() -> None:
             zeroed_total += 1
         nans = {r: 1 for r in so.num_scheduled_tokens if rng.random() < 0.1}
         s.update_from_output(so, model_output(s, so, nans))
-        s.kvguard_pool.check_mirror()
+        s.kvguard_pool.check_consistency()
     assert zeroed_total > 0
     assert s.kvguard_stats()["blocks_zeroed"] == zeroed_total
 

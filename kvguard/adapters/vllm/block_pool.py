@@ -478,15 +478,20 @@ class GuardedBlockPool(BlockPool):
 
     # ------------------------------------------------------------------ checks
 
-    def check_mirror(self) -> None:
+    def check_consistency(self) -> None:
         """Assert what vLLM sees agrees with kvguard (tests; debugging): kvguard's
-        invariants, vLLM's block list being kvguard's records, the null block held."""
+        invariants hold, vLLM's block list is kvguard's records (each naming this
+        pool), block 0 alone is the null block and stays held and uncached, and every
+        publication still held back is for a block its step is writing."""
         core = self.core
         if core is None:
             return
         core.check_invariants()
         assert self.blocks is core.block_records, "vLLM's blocks are not kvguard's records"
+        assert all(block.pool is self for block in self.blocks), "a block names another pool"
         assert self.null_block is self.blocks[0] and self.null_block.is_null
         assert not any(block.is_null for block in self.blocks[1:]), "a second null block"
-        info = core.block_info(0)
-        assert info.ref_cnt >= 1 and info.state is not BlockState.PUBLISHED, info
+        assert self.null_block.state is BlockState.ALLOCATED and self.null_block.ref_cnt >= 1
+        for block_id in (*self._publications, *self._deferred):
+            state = self.blocks[block_id].state
+            assert state is _WRITTEN, f"block {block_id} held for publication is {state.name}"
