@@ -128,13 +128,17 @@ class BlockSteps(PoolCore):
         if released:
             self._drop_last_refs(released, None)
 
-    def _raise_release_error(self, ids: list[int]) -> None:
-        """Why ``release_blocks(ids)`` cannot drop every reference (it raises)."""
+    def _count_ids(self, ids: list[int]) -> dict[int, int]:
+        """How often each id is named; raises UnknownBlockError for one outside the pool."""
         wanted: dict[int, int] = {}
         for block_id in ids:
             self._block(block_id)  # raises UnknownBlockError
             wanted[block_id] = wanted.get(block_id, 0) + 1
-        for block_id, n in wanted.items():
+        return wanted
+
+    def _raise_release_error(self, ids: list[int]) -> None:
+        """Why ``release_blocks(ids)`` cannot drop every reference (it raises)."""
+        for block_id, n in self._count_ids(ids).items():
             self._check_release(self._blocks[block_id], n)
         raise AssertionError("release_blocks() stopped on a releasable block")  # pragma: no cover
 
@@ -303,11 +307,7 @@ class BlockSteps(PoolCore):
 
     def _raise_validate_error(self, ids: list[int]) -> None:
         """Why ``validate_blocks(ids)`` cannot validate every block (it raises)."""
-        wanted: dict[int, int] = {}
-        for block_id in ids:
-            self._block(block_id)  # raises UnknownBlockError
-            wanted[block_id] = wanted.get(block_id, 0) + 1
-        for block_id, n in wanted.items():
+        for block_id, n in self._count_ids(ids).items():
             block = self._blocks[block_id]
             if block.state is not _WRITTEN or block.writers < n:
                 self._no_pending_step(block, n)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from kvguard import BlockPool, BlockState, PrefixHit
+from kvguard import BlockPool, BlockState, OutOfBlocksError, PoolMisuseError, PrefixHit
 
 
 def admit(pool: BlockPool, rid: str, tokens: Sequence[int], *, use_cache: bool = True) -> PrefixHit:
@@ -24,3 +24,17 @@ def prefill(pool: BlockPool, rid: str, tokens: Sequence[int]) -> PrefixHit:
 
 def states(pool: BlockPool, rid: str) -> list[BlockState]:
     return [pool.block_info(b).state for b in pool.block_table(rid)]
+
+
+def ran_or_changed_nothing(
+    pool: BlockPool, fn: Callable[..., object], *args: object, **kwargs: object
+) -> bool:
+    """Call ``fn``; True if it ran. On a typed misuse error (or running out of blocks)
+    assert the pool's snapshot did not change, and return False."""
+    before = pool.snapshot()
+    try:
+        fn(*args, **kwargs)
+    except (PoolMisuseError, OutOfBlocksError):
+        assert pool.snapshot() == before
+        return False
+    return True

@@ -15,13 +15,16 @@ writing it that have not validated and whether its bytes are suspect, and checks
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvguard import BlockPool, BlockState, OutOfBlocksError, PoolMisuseError, ZeroPolicy
+from kvguard import BlockPool, BlockState, OutOfBlocksError, ZeroPolicy
 from kvguard.hashing import BlockHash
+
+from .helpers import ran_or_changed_nothing
 
 NUM_BLOCKS = 10
 HASHES = [BlockHash(bytes([i]) * 16) for i in range(6)]
@@ -35,14 +38,9 @@ class BlockLevelMachine(RuleBasedStateMachine):
         self.pending: dict[int, int] = {}  # block -> in-flight steps writing it
         self.dirty: set[int] = set()  # written by a failed/abandoned step, not zeroed
 
-    def _misuse(self, fn: object, *args: object, **kwargs: object) -> bool:
-        before = self.pool.snapshot()
-        try:
-            fn(*args, **kwargs)  # type: ignore[operator]
-        except (PoolMisuseError, OutOfBlocksError):
-            assert self.pool.snapshot() == before
-            return False
-        return True
+    def _misuse(self, fn: Callable[..., object], *args: object, **kwargs: object) -> bool:
+        """Call; on a typed error, assert the pool did not change. True if it ran."""
+        return ran_or_changed_nothing(self.pool, fn, *args, **kwargs)
 
     def _drain_zero(self) -> None:
         for block_id in self.pool.take_blocks_to_zero():

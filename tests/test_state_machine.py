@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
+from collections.abc import Callable
 
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
@@ -29,6 +30,8 @@ from kvguard import (
     StoreTicket,
     ZeroPolicy,
 )
+
+from .helpers import ran_or_changed_nothing
 
 BLOCK = 4
 PREFIXES = [list(range(100, 112)), list(range(200, 208)), list(range(100, 104)) + [7, 7]]
@@ -50,15 +53,9 @@ class PoolMachine(RuleBasedStateMachine):
 
     # ---------------------------------------------------------------- helpers
 
-    def _misuse(self, fn: object, *args: object, **kwargs: object) -> bool:
+    def _misuse(self, fn: Callable[..., object], *args: object, **kwargs: object) -> bool:
         """Call; on a typed error, assert the pool did not change. True if it ran."""
-        before = self.pool.snapshot()
-        try:
-            fn(*args, **kwargs)  # type: ignore[operator]
-        except (PoolMisuseError, OutOfBlocksError):
-            assert self.pool.snapshot() == before
-            return False
-        return True
+        return ran_or_changed_nothing(self.pool, fn, *args, **kwargs)
 
     def _drain_zero(self) -> None:
         for block_id in self.pool.take_blocks_to_zero():
