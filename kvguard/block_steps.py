@@ -74,12 +74,18 @@ class BlockSteps(PoolCore):
                 raise IllegalTransitionError(block_id, state, _ACQUIRE)
         self._acquire(ids, 1)
 
-    def release_blocks(self, block_ids: Iterable[int]) -> None:
+    def release_blocks(self, block_ids: Iterable[int], *, steps_passed: bool = False) -> None:
         """Drop block-level references taken by allocate_blocks/acquire_blocks.
 
         Blocks whose last reference goes are enqueued in the given order (the first
         is evicted first); a block still being written by a block-level step is
         quarantined (its step can never be validated now).
+
+        ``steps_passed=True``: the caller vouches that every step still writing these
+        blocks passed (a holder leaving after a clean last step, with none in
+        flight). Such blocks are validated as :meth:`validate_blocks` would (a
+        pending publication happens), then released -- a holder's partial tail is
+        freed, not quarantined, without a validation call of its own.
         """
         ids = block_ids if isinstance(block_ids, list) else list(block_ids)
         blocks = self._blocks
@@ -126,6 +132,11 @@ class BlockSteps(PoolCore):
         if cached:
             self._free.push_evictable(cached)  # RELEASE keeps them cached (a self-loop)
         if released:
+            if steps_passed:
+                # Exclusive states: a WRITTEN block's only reference was just dropped.
+                written = [block.block_id for block in released if block.state is _WRITTEN]
+                if written:
+                    self._validate_and_publish(written, None)
             self._drop_last_refs(released, None)
 
     def _count_ids(self, ids: list[int]) -> dict[int, int]:

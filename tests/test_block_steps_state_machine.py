@@ -1,7 +1,8 @@
 """Stateful property test of the block-level API, the one the vLLM adapter drives.
 
 Random sequences of allocate (plain or WRITTEN), write, validate (with or without held
-publications), publish_block, fail, acquire (prefix hits) and release, on a pool with
+publications), publish_block, fail, acquire (prefix hits) and release (after failed or
+passed steps), on a pool with
 ``check_invariants=True``. An independent shadow model tracks, per block, the steps
 writing it that have not validated and whether its bytes are suspect, and checks:
 
@@ -105,16 +106,19 @@ class BlockLevelMachine(RuleBasedStateMachine):
             self.dirty.add(block_id)
 
     @precondition(lambda self: self.held)
-    @rule(data=st.data())
-    def release(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), steps_passed=st.booleans())
+    def release(self, data: st.DataObject, steps_passed: bool) -> None:
         ids = data.draw(st.lists(st.sampled_from(self.held), min_size=1, max_size=3))
-        if not self._misuse(self.pool.release_blocks, ids):
+        if not self._misuse(self.pool.release_blocks, ids, steps_passed=steps_passed):
             return
         for block_id in ids:
             self.held.remove(block_id)
             if block_id not in self.held and block_id in self.pending:
-                del self.pending[block_id]  # abandoned mid-step: quarantined
-                self.dirty.add(block_id)
+                del self.pending[block_id]
+                if steps_passed:  # its steps passed: validated, then released
+                    assert self.pool.block_info(block_id).state is not BlockState.QUARANTINED
+                else:  # abandoned mid-step: quarantined
+                    self.dirty.add(block_id)
 
     @rule(block_hash=st.sampled_from(HASHES))
     def hit(self, block_hash: BlockHash) -> None:

@@ -10,7 +10,12 @@ from __future__ import annotations
 import pytest
 
 from kvguard import BlockPool, BlockState, BlockStored, IllegalTransitionError, ZeroPolicy
-from kvguard.errors import ForeignBlockError, NoPendingStepError, PoolMisuseError
+from kvguard.errors import (
+    DoubleFreeError,
+    ForeignBlockError,
+    NoPendingStepError,
+    PoolMisuseError,
+)
 from kvguard.hashing import BlockHash
 from kvguard.results import PublishOutcome
 
@@ -371,3 +376,37 @@ def test_a_waiting_publication_dies_with_the_last_holder_of_an_unwritten_block()
     assert b == a
     assert pool.validate_blocks([b]).published == ()  # nothing left to publish
     assert pool.cached_block_id(H1) is None
+
+
+def test_release_after_passed_steps_frees_written_blocks_without_quarantine() -> None:
+    pool = _pool(4)
+    tail, cached = pool.allocate_blocks(2, write=True)
+    pool.validate_blocks([cached], {cached: (H1, None, "r")})  # published, evictable later
+    pool.write_blocks([tail])  # a second step in flight writing the tail
+    pool.release_blocks([tail, cached], steps_passed=True)  # both of tail's steps passed
+    assert _state(pool, tail) is BlockState.FREE
+    assert _state(pool, cached) is BlockState.PUBLISHED  # untouched: stays a hit
+    assert pool.stats().counters.blocks_quarantined == 0
+    pool.allocate_blocks(3)  # reuses the tail (and evicts nothing it needs to zero)
+    assert pool.take_blocks_to_zero() == []
+
+
+def test_release_after_passed_steps_publishes_a_waiting_publication() -> None:
+    pool = _pool()
+    (a,) = pool.allocate_blocks(1, write=True)
+    assert pool.publish_block(a, H1) is PublishOutcome.DEFERRED
+    pool.release_blocks([a], steps_passed=True)
+    assert _state(pool, a) is BlockState.PUBLISHED
+    assert pool.cached_block_id(H1) == a
+    assert pool.stats().counters.blocks_published == 1
+
+
+def test_release_after_passed_steps_changes_nothing_on_error() -> None:
+    pool = _pool()
+    a, b = pool.allocate_blocks(2, write=True)
+    pool.release_blocks([b])  # quarantined: b's step was abandoned
+    before = pool.snapshot()
+    with pytest.raises(DoubleFreeError):
+        pool.release_blocks([a, b], steps_passed=True)
+    assert pool.snapshot() == before
+    assert _state(pool, a) is BlockState.WRITTEN

@@ -67,3 +67,26 @@ def test_clean_finish_frees_the_tail_without_quarantine(async_scheduling: bool) 
     assert quarantined == 0
     assert core.stats().blocks_by_state[BlockState.PUBLISHED] == 1
     s.kvguard_pool.check_consistency()
+
+
+def test_preemption_after_a_clean_step_frees_the_tail_without_quarantine() -> None:
+    # 4 usable blocks: a (30 tokens) and b (20 tokens) take 2 each; a's decode soon
+    # needs a third, and b -- no step of it in flight (sync) -- is preempted.
+    s = make_scheduler(num_blocks=5)
+    s.add_request(make_request("a", list(range(100, 100 + 2 * BLOCK - 2)), max_tokens=8))
+    s.add_request(make_request("b", list(range(300, 300 + BLOCK + 4)), max_tokens=8))
+    core = s.kvguard_pool.core
+    b_tail = None
+    for _ in range(4):
+        so = s.schedule()
+        if "b" in so.preempted_req_ids:
+            break
+        (b_table,) = s.kv_cache_manager.get_block_ids("b")
+        b_tail = b_table[-1]
+        s.update_from_output(so, model_output(s, so))
+    else:
+        raise AssertionError("b was never preempted")
+    assert b_tail is not None and core.block_state(b_tail) is not BlockState.QUARANTINED
+    assert core.stats().counters.blocks_quarantined == 0
+    assert not so.new_block_ids_to_zero  # nothing suspect was handed to a
+    s.kvguard_pool.check_consistency()

@@ -16,8 +16,8 @@ subclass, so every attribute vLLM or a connector reads exists). Two modes:
   step being scheduled fills and the publication each is due (hash, parent, owner);
   :meth:`validate_step` hands both to kvguard once the step's output is clean, and
   kvguard validates and publishes them in one call. The guarded scheduler drives
-  :meth:`take_step_fills` / :meth:`validate_step` / :meth:`settle_tail` /
-  :meth:`fail_step`.
+  :meth:`take_step_fills` / :meth:`validate_step` / :meth:`fail_step`, and sets :attr:`freeing_clean_request` while it frees a request
+  that leaves after a clean step.
 
 Guarded mode supports full-attention KV cache groups (MHA, GQA, MLA); sliding-window,
 chunked-local and Mamba groups copy or re-point cached blocks (``move_block_hashes``,
@@ -117,6 +117,10 @@ class GuardedBlockPool(BlockPool):
         # the publication (hash, parent, owner) held back until the step validates.
         self._fills: dict[str, list[int]] = {}
         self._publications: dict[int, PendingPublication] = {}
+        # Set by the guarded scheduler while it frees the blocks of a request whose
+        # last step was clean and none is in flight: free_blocks validates what that
+        # request still has WRITTEN (its partial tail) instead of quarantining it.
+        self.freeing_clean_request = False
         if not self.guard.enabled:
             return
         core = KvGuardPool(
@@ -179,21 +183,6 @@ class GuardedBlockPool(BlockPool):
                     if pending is not None:
                         self._emit_block_stored(blocks[block_id], *pending)
         return result
-
-    def settle_tail(self, block_lists: Iterable[Sequence[Any]]) -> None:
-        """A request ends with no step in flight and its last step clean: validate the
-        blocks it wrote that no step filled (its partial tail), so that releasing them
-        does not quarantine them."""
-        ids: list[int] = []
-        for blocks in block_lists:
-            # Blocks are filled, hence validated, in order: the unvalidated ones trail
-            # (the null block is never WRITTEN).
-            for block in reversed(blocks):
-                if block.state is not _WRITTEN:
-                    break
-                ids.append(block.block_id)
-        if ids:
-            self.validate_step(ids)
 
     def fail_step(self, block_ids: Iterable[int]) -> tuple[int, ...]:
         """The step failed (or can never be validated): quarantine what it wrote."""
@@ -406,9 +395,10 @@ class GuardedBlockPool(BlockPool):
                 if block.pool is not self and not block.is_null:
                     other_pools.setdefault(block.pool, []).append(block)
         # Released blocks whose step never validated are quarantined by kvguard here
+        # -- unless they belong to a request leaving clean (freeing_clean_request) --
         # (it raises, changing nothing, on a double free); a publication waiting for
         # its step dies with the last reference.
-        core.release_blocks(ids)
+        core.release_blocks(ids, steps_passed=self.freeing_clean_request)
         deferred = self._deferred
         if deferred:
             blocks = self.blocks

@@ -88,6 +88,8 @@ class _GuardMixin:
         self._kvguard_carry_publications: dict[int, PendingPublication] = {}
         # Requests being finished because their step failed (never settled clean).
         self._kvguard_failing: dict[str, int] = {}
+        # Requests that left after a clean step, whose blocks are not released yet.
+        self._kvguard_clean: set[str] = set()
 
     def _kvguard_setup_zeroing(self, kv_cache_config: Any) -> None:
         """Only kvguard's zero queue goes to the worker, unless vLLM needs its own."""
@@ -266,26 +268,27 @@ class _GuardMixin:
     # ------------------------------------------------------------------ release
 
     def _kvguard_settle(self, request: Any) -> None:
-        """The request leaves (finished or preempted) before its blocks are released.
+        """The request leaves (finished or preempted); its blocks are released next,
+        now or -- held by a connector -- later.
 
         With no step of it in flight and not failing, its last step was clean: the
-        blocks it wrote that no step filled (the partial tail) are validated, so the
-        release frees them plainly. Otherwise they stay WRITTEN and the release
-        quarantines them (zeroed before reuse). Every in-flight step forgets it.
+        blocks it wrote that no step filled (the partial tail) are validated as they
+        are released, so the release frees them plainly. Otherwise they stay WRITTEN
+        and the release quarantines them (zeroed before reuse). Every in-flight step
+        forgets it.
         """
         req_id = request.request_id
-        pool = self.kvguard_pool
-        ledger = self._kvguard_ledger
         carried = self._kvguard_carry.pop(req_id, None)
         if carried:
             for block_id in carried:
                 self._kvguard_carry_publications.pop(block_id, None)
-        if pool.core is None:
+        if self.kvguard_pool.core is None:
             return
+        ledger = self._kvguard_ledger
         if req_id not in self._kvguard_failing and not ledger.in_flight(req_id):
-            pool.settle_tail(
-                [manager.req_to_blocks.get(req_id, ()) for manager in self._kvguard_managers]
-            )
+            self._kvguard_clean.add(req_id)
+        else:
+            self._kvguard_clean.discard(req_id)
         ledger.forget(req_id)
 
     def _free_request_blocks(self, request: Any) -> None:
@@ -293,7 +296,20 @@ class _GuardMixin:
         # before a connector let their blocks go).
         if not request.is_finished():
             self._kvguard_settle(request)
-        super()._free_request_blocks(request)  # type: ignore[misc]
+        clean = self._kvguard_clean
+        if request.request_id not in clean:
+            super()._free_request_blocks(request)  # type: ignore[misc]
+            return
+        clean.discard(request.request_id)
+        # Blocks vLLM parks until a step still in flight is done (defer_block_free)
+        # are released later, without this flag: quarantined, the safe side. A
+        # request with no step in flight is never parked.
+        pool = self.kvguard_pool
+        pool.freeing_clean_request = True
+        try:
+            super()._free_request_blocks(request)  # type: ignore[misc]
+        finally:
+            pool.freeing_clean_request = False
 
     def _free_request(self, request: Any, delay_free_blocks: bool = False) -> Any:
         self._kvguard_settle(request)
