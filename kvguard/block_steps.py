@@ -92,48 +92,54 @@ class BlockSteps(PoolCore):
         num_blocks = self.num_blocks
         # One pass drops the references, stopping at the first one that cannot be
         # dropped; then the drops are undone and the checking path names the error.
-        # Blocks whose last reference goes: never written (they become FREE), cached
-        # (they stay, evictable), any other state (_drop_last_refs decides).
-        unwritten: list[Block] = []
+        # Blocks whose last reference goes: cached (they stay, evictable), freed
+        # (never written, or written by steps that passed and publishing nothing:
+        # they become FREE), any other state (_drop_last_refs decides).
         cached: list[Block] = []
+        freed: list[Block] = []
         released: list[Block] = []
-        done = 0
-        for block_id in ids:
+        for done, block_id in enumerate(ids):  # noqa: B007 - done is read after a break
             if type(block_id) is not int or not 0 <= block_id < num_blocks:
                 break
             block = blocks[block_id]
-            if not block.external_refs or not block.ref_cnt:
+            refs = block.external_refs
+            if not refs:  # (external references are counted in ref_cnt too)
                 break
-            block.external_refs -= 1
+            block.external_refs = refs - 1
             ref = block.ref_cnt - 1
             block.ref_cnt = ref
-            done += 1
             if not ref:
                 state = block.state
-                if state is _ALLOCATED:
-                    unwritten.append(block)
-                elif state in _STAYS_CACHED:
+                if state in _STAYS_CACHED:
                     cached.append(block)
+                elif state is _ALLOCATED or (
+                    steps_passed and state is _WRITTEN and block.pending_publication is None
+                ):
+                    freed.append(block)
                 else:
                     released.append(block)
+        else:
+            done = len(ids)
         if done != len(ids):
             for block_id in ids[:done]:
                 block = blocks[block_id]
                 block.external_refs += 1
                 block.ref_cnt += 1
             self._raise_release_error(ids)
-        if unwritten:
-            free_ids = []
-            for block in unwritten:
-                block.state = _FREE  # ALLOCATED --RELEASE--> FREE, inlined
+        if freed:
+            # ALLOCATED --RELEASE--> FREE, and WRITTEN --VALIDATE--> VALIDATED
+            # --RELEASE--> FREE, inlined (import-time checks in pool_core).
+            for block in freed:
+                block.state = _FREE
+                block.writers = 0
                 block.pending_publication = None  # dies with the last holder
-                free_ids.append(block.block_id)
-            self._free.push_empty(free_ids)
+            self._free.push_empty([block.block_id for block in freed])
         if cached:
             self._free.push_evictable(cached)  # RELEASE keeps them cached (a self-loop)
         if released:
             if steps_passed:
-                # Exclusive states: a WRITTEN block's only reference was just dropped.
+                # Passed, with a publication waiting: validated and published first.
+                # (Exclusive states: a WRITTEN block's only reference was just dropped.)
                 written = [block.block_id for block in released if block.state is _WRITTEN]
                 if written:
                     self._validate_and_publish(written, None)

@@ -65,8 +65,11 @@ _EVICT_TO = {state: row[_EVICT] for state, row in _NEXT.items() if _EVICT in row
 if not (
     _NEXT[_FREE][_ALLOCATE] is _NEXT[_QUARANTINED][_ALLOCATE] is _ALLOCATED
     and _RELEASE_TO[_ALLOCATED] is _FREE
+    and _RELEASE_TO[_NEXT[_WRITTEN][_VALIDATE]] is _FREE
 ):  # pragma: no cover - guards a future edit of TRANSITIONS
-    raise ImportError("kvguard.pool inlines ALLOCATE/RELEASE transitions that TRANSITIONS changed")
+    raise ImportError(
+        "kvguard.pool inlines ALLOCATE/VALIDATE/RELEASE transitions that TRANSITIONS changed"
+    )
 # The two single-source transitions of the validation path, read off the table.
 _VALIDATE_FROM_WRITTEN = _NEXT[_WRITTEN][_VALIDATE]
 _PUBLISH_FROM_VALIDATED = _NEXT[_VALIDATED][_PUBLISH]

@@ -16,8 +16,9 @@ subclass, so every attribute vLLM or a connector reads exists). Two modes:
   step being scheduled fills and the publication each is due (hash, parent, owner);
   :meth:`validate_step` hands both to kvguard once the step's output is clean, and
   kvguard validates and publishes them in one call. The guarded scheduler drives
-  :meth:`take_step_fills` / :meth:`validate_step` / :meth:`fail_step`, and sets :attr:`freeing_clean_request` while it frees a request
-  that leaves after a clean step.
+  :meth:`take_step_fills` / :meth:`validate_step` / :meth:`fail_step`, and sets
+  :attr:`freeing_clean_request` while it frees a request that leaves after a clean
+  step.
 
 Guarded mode supports full-attention KV cache groups (MHA, GQA, MLA); sliding-window,
 chunked-local and Mamba groups copy or re-point cached blocks (``move_block_hashes``,
