@@ -17,7 +17,7 @@ pytest.importorskip("vllm")
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_scheduler.py"
 
 
-@pytest.mark.parametrize("mode", [[], ["--async-scheduling"]])
+@pytest.mark.parametrize("mode", [[], ["--async-scheduling"], ["--control"]])
 def test_scheduler_benchmark_runs_both_schedulers_on_one_trace(mode: list[str]) -> None:
     env = dict(os.environ)
     env.pop("KVGUARD_CHECK_INVARIANTS", None)
@@ -32,6 +32,7 @@ def test_scheduler_benchmark_runs_both_schedulers_on_one_trace(mode: list[str]) 
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert len(re.findall(r"^round \d: \d+ steps", out, re.M)) == 2
-    ratio = re.search(r"ratio guarded/stock = (\d+\.\d+)", out)
+    second = "stock#2" if "--control" in mode else "guarded"
+    ratio = re.search(rf"ratio {second}/stock = (\d+\.\d+)", out)
     assert ratio is not None and 0.5 < float(ratio.group(1)) < 5
     assert "schedule():" in out and "update_from_output():" in out
