@@ -98,7 +98,8 @@ class BlockSteps(PoolCore):
         cached: list[Block] = []
         freed: list[Block] = []
         released: list[Block] = []
-        for done, block_id in enumerate(ids):  # noqa: B007 - done is read after a break
+        done = 0
+        for block_id in ids:
             if type(block_id) is not int or not 0 <= block_id < num_blocks:
                 break
             block = blocks[block_id]
@@ -108,6 +109,7 @@ class BlockSteps(PoolCore):
             block.external_refs = refs - 1
             ref = block.ref_cnt - 1
             block.ref_cnt = ref
+            done += 1
             if not ref:
                 state = block.state
                 if state in _STAYS_CACHED:
@@ -118,8 +120,6 @@ class BlockSteps(PoolCore):
                     freed.append(block)
                 else:
                     released.append(block)
-        else:
-            done = len(ids)
         if done != len(ids):
             for block_id in ids[:done]:
                 block = blocks[block_id]
@@ -129,11 +129,13 @@ class BlockSteps(PoolCore):
         if freed:
             # ALLOCATED --RELEASE--> FREE, and WRITTEN --VALIDATE--> VALIDATED
             # --RELEASE--> FREE, inlined (import-time checks in pool_core).
+            free_ids = []
             for block in freed:
                 block.state = _FREE
                 block.writers = 0
                 block.pending_publication = None  # dies with the last holder
-            self._free.push_empty([block.block_id for block in freed])
+                free_ids.append(block.block_id)
+            self._free.push_empty(free_ids)
         if cached:
             self._free.push_evictable(cached)  # RELEASE keeps them cached (a self-loop)
         if released:
