@@ -90,3 +90,25 @@ def test_preemption_after_a_clean_step_frees_the_tail_without_quarantine() -> No
     assert core.stats().counters.blocks_quarantined == 0
     assert not so.new_block_ids_to_zero  # nothing suspect was handed to a
     s.kvguard_pool.check_consistency()
+
+
+def test_a_connector_holding_a_clean_request_frees_its_tail_without_quarantine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    s = make_scheduler()
+    # A connector that keeps every finished request's blocks until it has sent them
+    # (vLLM's delay_free_blocks), reported later through finished_sending.
+    monkeypatch.setattr(s, "_connector_finished", lambda request: (True, None))
+    s.add_request(make_request("a", list(range(100, 100 + BLOCK + 3)), max_tokens=2))
+    reasons: dict[str, str] = {}
+    while "a" not in reasons:
+        so = s.schedule()
+        reasons.update(finish_reasons(s.update_from_output(so, model_output(s, so))))
+    core = s.kvguard_pool.core
+    (table,) = s.kv_cache_manager.get_block_ids("a")  # still held by the connector
+    assert core.block_state(table[-1]) is BlockState.WRITTEN
+    s._free_blocks(s.requests["a"])  # the connector reports it sent them
+    assert core.block_state(table[-1]) is BlockState.FREE
+    assert core.stats().counters.blocks_quarantined == 0
+    assert not s._kvguard_clean  # nothing left behind for a later request of that id
+    s.kvguard_pool.check_consistency()
