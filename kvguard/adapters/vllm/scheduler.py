@@ -16,7 +16,9 @@ What changes against vLLM (everything else is vLLM's own code path):
   and the blocks its in-flight steps filled are QUARANTINED (its partial tail on
   release); the blocks the other requests' steps filled are validated in one call,
   and enter the prefix cache only then. A request ending with no step in flight after
-  a clean step has its partial tail validated; one freed or preempted with a step in
+  a clean step has its partial tail validated as its blocks are released (now, or when
+  a connector lets them go: ``release_blocks(..., steps_passed=True)``); one freed or
+  preempted with a step in
   flight is forgotten, and its unvalidated blocks are quarantined on release.
 * ``new_block_ids_to_zero`` carries kvguard's zero queue (quarantined blocks being
   reused, or every new block under ``zero_policy=all``) instead of vLLM's "every new
