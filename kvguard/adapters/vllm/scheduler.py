@@ -18,8 +18,8 @@ What changes against vLLM (everything else is vLLM's own code path):
   and enter the prefix cache only then. A request ending with no step in flight after
   a clean step has its partial tail validated as its blocks are released (now, or when
   a connector lets them go: ``release_blocks(..., steps_passed=True)``); one freed or
-  preempted with a step in
-  flight is forgotten, and its unvalidated blocks are quarantined on release.
+  preempted with a step in flight is forgotten, and its unvalidated blocks are
+  quarantined on release.
 * ``new_block_ids_to_zero`` carries kvguard's zero queue (quarantined blocks being
   reused, or every new block under ``zero_policy=all``) instead of vLLM's "every new
   block" list. Workers apply it only when ``KVCacheConfig.needs_kv_cache_zeroing`` is
