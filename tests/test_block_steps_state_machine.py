@@ -1,10 +1,10 @@
 """Stateful property test of the block-level API, the one the vLLM adapter drives.
 
 Random sequences of allocate (plain or WRITTEN), write, validate (with or without held
-publications), publish_block, fail, acquire (prefix hits) and release (after failed or
-passed steps), on a pool with
-``check_invariants=True``. An independent shadow model tracks, per block, the steps
-writing it that have not validated and whether its bytes are suspect, and checks:
+publications), publish_block, fail, acquire (prefix hits) and release (with or without
+``steps_passed``), on a pool with ``check_invariants=True``. An independent shadow
+model tracks, per block, the steps writing it that have not validated and whether its
+bytes are suspect, and checks:
 
 * the prefix index only ever maps a hash to a block none of whose writes is pending
   or failed (a hit, an acquire, never reaches unvalidated KV);
