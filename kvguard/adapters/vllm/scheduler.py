@@ -77,7 +77,6 @@ class _GuardMixin:
                 "scheduler in pass-through mode."
             )
         self.kvguard_pool = install_guarded_pool(self.kv_cache_manager, guard)
-        self._kvguard_managers = tuple(self.kv_cache_manager.coordinator.single_type_managers)
         if guard.enabled:
             self._kvguard_setup_zeroing(self.kv_cache_config)
             self._kvguard_check_connector()
