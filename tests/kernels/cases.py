@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import pytest
@@ -9,23 +10,39 @@ import torch
 
 from kvguard.kernels import KVCacheLayout, LayoutKind
 
+# Where the tests' tensors live (see conftest.py): the CPU under the Triton interpreter,
+# or a GPU with compiled kernels.
+ON_GPU = os.environ.get("KVGUARD_KERNEL_DEVICE", "cpu") == "cuda"
+interpreter_only = pytest.mark.skipif(ON_GPU, reason="checks the Triton interpreter's CPU path")
+
+
+def seeded(seed: int) -> torch.Generator:
+    """A CPU generator: tests draw on the CPU (the same numbers on every device) and move
+    the result with ``on_device``."""
+    return torch.Generator(device="cpu").manual_seed(seed)
+
+
+def on_device(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.get_default_device())
+
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn]
 
 
 def random_bytes(shape: Sequence[int], dtype: torch.dtype, seed: int) -> torch.Tensor:
     """A tensor whose every byte is random (NaN/Inf bit patterns included): a sentinel
     in which any stray write shows up as a changed byte."""
-    g = torch.Generator().manual_seed(seed)
     numel = 1
     for s in shape:
         numel *= s
-    raw = torch.randint(0, 256, (numel * dtype.itemsize,), dtype=torch.uint8, generator=g)
-    return raw.view(dtype).reshape(tuple(shape))
+    raw = torch.randint(
+        0, 256, (numel * dtype.itemsize,), dtype=torch.uint8, generator=seeded(seed), device="cpu"
+    )
+    return on_device(raw.view(dtype).reshape(tuple(shape)))
 
 
 def finite(shape: Sequence[int], dtype: torch.dtype, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(tuple(shape), generator=g).to(dtype)
+    return on_device(torch.randn(tuple(shape), generator=seeded(seed), device="cpu").to(dtype))
 
 
 def logical_shape(kind: LayoutKind, n: int, b: int, h: int, d: int) -> tuple[int, ...]:

@@ -18,6 +18,8 @@ import torch
 from kvguard.kernels import BackendUnavailableError, resolve_backend
 from kvguard.kernels.backend import HAS_TRITON
 
+from .cases import interpreter_only
+
 
 def _run(script: str, **env: str) -> subprocess.CompletedProcess[str]:
     full_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -74,6 +76,7 @@ def test_triton_on_cpu_without_the_interpreter_is_refused() -> None:
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
 
+@interpreter_only
 def test_interpreter_mode_refuses_cuda_tensors() -> None:
     with pytest.raises(BackendUnavailableError, match="cpu tensors only"):
         resolve_backend("triton", torch.device("cuda"))

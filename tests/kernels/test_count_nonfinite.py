@@ -10,7 +10,7 @@ import torch
 
 from kvguard.kernels import NonFiniteMode, count_nonfinite_per_request
 
-from .cases import ALL_DTYPES, finite
+from .cases import ALL_DTYPES, finite, on_device, seeded
 
 NAN, INF = float("nan"), float("inf")
 
@@ -72,15 +72,14 @@ def test_dirty_logits_count_exactly(dtype: torch.dtype, backend: str) -> None:
 
 
 def test_triton_matches_reference_on_random_layouts() -> None:
-    g = torch.Generator().manual_seed(23)
+    g = seeded(23)
     for trial in range(4):
         rows, vocab = 1 + trial * 5, 37 + trial * 100
         logits = finite((rows, vocab), torch.float32, seed=trial)
-        bad = torch.rand((rows, vocab), generator=g) < 0.05
-        logits[bad] = torch.tensor([NAN, INF, -INF])[
-            torch.randint(0, 3, (int(bad.sum()),), generator=g)
-        ]
-        cuts = sorted(torch.randint(0, rows + 1, (trial + 2,), generator=g).tolist())
+        bad = torch.rand((rows, vocab), generator=g, device="cpu") < 0.05
+        which = torch.randint(0, 3, (int(bad.sum()),), generator=g, device="cpu")
+        logits[on_device(bad)] = on_device(torch.tensor([NAN, INF, -INF], device="cpu")[which])
+        cuts = sorted(torch.randint(0, rows + 1, (trial + 2,), generator=g, device="cpu").tolist())
         cu = [0, *cuts, rows]
         for mode in NonFiniteMode:
             assert _count(logits, cu, mode, "triton", max_programs=2) == _expected(logits, cu, mode)

@@ -2,8 +2,9 @@
 
 A real 8 GiB cache is not needed: each kernel gets a layer base address shifted *down* by
 ``block * block_stride`` words, with a stride above 2**31, so that only exact 64-bit math
-lands on the small buffer. 32-bit math would write or read elsewhere (likely a segfault),
-hence a subprocess.
+lands on the small buffer. 32-bit math would write or read elsewhere (likely a segfault,
+or an illegal memory access on a GPU), hence a subprocess. It runs on the device the
+kernel tests run on (``KVGUARD_KERNEL_DEVICE``, see conftest.py).
 """
 
 from __future__ import annotations
@@ -21,10 +22,13 @@ pytest.importorskip("triton")
 SCRIPT = textwrap.dedent(
     """
     import os
-    os.environ["TRITON_INTERPRET"] = "1"
+    DEV = os.environ.get("KVGUARD_KERNEL_DEVICE", "cpu")
+    if DEV == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
     import importlib
     import torch
     from kvguard.kernels.layout import Region
+    torch.set_default_device(DEV)
 
     zb = importlib.import_module("kvguard.kernels.zero_blocks")
     zs = importlib.import_module("kvguard.kernels.zero_slots")
@@ -66,7 +70,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_offsets_are_64_bit() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=120
     )

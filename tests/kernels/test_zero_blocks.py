@@ -20,6 +20,8 @@ from .cases import (
     STRIDINGS,
     assert_same_bytes,
     build_cache,
+    ON_GPU,
+    interpreter_only,
     raw_bytes,
 )
 
@@ -175,8 +177,15 @@ def test_refuses_non_integer_id_tensors() -> None:
         zero_blocks(layout, torch.tensor([[1]]))
 
 
+@interpreter_only
 def test_auto_backend_runs_triton_under_the_interpreter() -> None:
     assert resolve_backend("auto", torch.device("cpu")) == "triton"
     assert resolve_backend("torch", torch.device("cpu")) == "torch"
     with pytest.raises(ValueError, match="backend must be"):
         resolve_backend("cuda", torch.device("cpu"))  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs KVGUARD_KERNEL_DEVICE=cuda")
+def test_auto_backend_runs_compiled_triton_on_cuda() -> None:
+    assert resolve_backend("auto", torch.device("cuda")) == "triton"
+    assert resolve_backend("auto", torch.device("cpu")) == "torch"  # no interpreter here
