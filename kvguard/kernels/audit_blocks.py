@@ -25,6 +25,11 @@ from kvguard.kernels.layout import KVCacheLayout, Region, checked_ids
 
 __all__ = ["audit_blocks", "audit_blocks_ref"]
 
+# Launch shape, measured on an H200 (docs/kernels.md, "Speed"): elements one item reads
+# at most, and warps per program.
+ELEMENTS_PER_ITEM = 8192
+NUM_WARPS = 4
+
 if HAS_TRITON:
     from kvguard.kernels._addressing import TRITON_INT, split_item
 
@@ -92,7 +97,7 @@ def _launch_audit_blocks(
     max_programs: int,
 ) -> None:
     """Launch the kernel; ``region`` and ``block_stride`` count elements of ``dtype``."""
-    block = chunk_words(region.inner, cap=2048)
+    block = chunk_words(region.inner, cap=ELEMENTS_PER_ITEM)
     num_chunks = -(-region.inner // block)
     (s0, t0), (s1, t1), (s2, t2) = region.outer
     num_items = ids.numel() * table.numel() * s0 * s1 * s2 * num_chunks
@@ -114,6 +119,7 @@ def _launch_audit_blocks(
         BITS=TRITON_INT[dtype.itemsize],
         EXP_MASK=NONFINITE_BITS[dtype][0],
         BLOCK=block,
+        num_warps=NUM_WARPS,
     )
 
 

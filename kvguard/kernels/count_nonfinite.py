@@ -31,6 +31,12 @@ from kvguard.kernels.backend import (
 
 __all__ = ["NonFiniteMode", "count_nonfinite_per_request", "count_nonfinite_per_request_ref"]
 
+# Launch shape, measured on an H200 (docs/kernels.md, "Speed"): columns one load reads at
+# most, work items per program, and warps per program.
+COLUMNS_PER_LOAD = 4096
+ITEMS_PER_PROGRAM = 1
+NUM_WARPS = 4
+
 
 class NonFiniteMode(enum.Enum):
     """What counts as bad."""
@@ -47,8 +53,10 @@ if HAS_TRITON:
     def _count_nonfinite_kernel(
         bits_ptr: tl.tensor,  # [num_rows, vocab] logits read as same-width integers (raw bits)
         cu_rows_ptr: tl.tensor,  # int32/int64 [num_requests + 1]: request r owns cu[r]:cu[r+1]
-        out_ptr: tl.tensor,  # int32 [num_requests]: the counts; every entry is written (no memset)
-        num_requests: tl.tensor,  # entries of out_ptr
+        out_ptr: tl.tensor,  # int32 [num_requests], zero-filled: the counts are added in
+        num_items: tl.tensor,  # num_requests * num_splits
+        num_splits: tl.tensor,  # column ranges each request's rows are cut into
+        cols_per_split: tl.tensor,  # columns of one range (a multiple of BLOCK)
         num_rows: tl.tensor,  # rows of the logits: row ranges are clamped to [0, num_rows)
         vocab: tl.tensor,  # columns of the logits
         row_stride: tl.tensor,  # elements from row i to row i + 1
@@ -61,10 +69,14 @@ if HAS_TRITON:
         pid = tl.program_id(0).to(tl.int64)
         num_programs = tl.num_programs(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
-        # One program per request (grid-stride past the grid cap): each count is the sum
-        # of one program's lanes, so no atomics, no zero-initialised output, and the
-        # result is deterministic.
-        for req in range(pid, num_requests, num_programs):
+        # An item is one request's rows over one range of columns, so that a batch of few
+        # requests still spreads over the whole GPU. Partial counts are added with an
+        # atomic, only where non-zero (clean logits issue none); integer sums make the
+        # result deterministic all the same.
+        for item in range(pid, num_items, num_programs):
+            req = item // num_splits
+            col_lo = (item % num_splits) * cols_per_split
+            col_hi = tl.minimum(col_lo + cols_per_split, vocab)
             # Clamp instead of trusting cu_rows: checking it would need a host sync, and
             # a bad range must not read outside the logits (it counts 0 rows instead).
             start = tl.load(cu_rows_ptr + req).to(tl.int64)
@@ -74,14 +86,15 @@ if HAS_TRITON:
             acc = tl.zeros([BLOCK], dtype=tl.int32)
             for row in range(start, end):
                 row_ptr = bits_ptr + row * row_stride  # int64: rows * vocab passes 2**31
-                for col0 in range(0, vocab, BLOCK):
+                for col0 in range(col_lo, col_hi, BLOCK):
                     col = col0 + cols
-                    bits = tl.load(row_ptr + col * col_stride, mask=col < vocab, other=0)
+                    bits = tl.load(row_ptr + col * col_stride, mask=col < col_hi, other=0)
                     bad = (bits & EXP_MASK) == EXP_MASK
                     if NAN_ONLY:
                         bad = bad & ((bits & MANT_MASK) != 0)
                     acc += bad.to(tl.int32)
-            tl.store(out_ptr + req, tl.sum(acc, axis=0))
+            total = tl.sum(acc, axis=0)
+            tl.atomic_add(out_ptr + req, total, mask=total > 0)
 
 
 def count_nonfinite_per_request_ref(
@@ -122,7 +135,8 @@ def count_nonfinite_per_request(
     out of bounds. ``mode``: :class:`NonFiniteMode` or its value (``"nan"``,
     ``"nan_or_inf"``).
 
-    One launch; no ``.item()``: nothing here waits for the GPU.
+    One kernel launch (after the zero fill of the output); no ``.item()``: nothing here
+    waits for the GPU.
     """
     mode = NonFiniteMode(mode)
     if logits.dim() != 2:
@@ -143,9 +157,38 @@ def count_nonfinite_per_request(
     num_requests = cu_rows.numel() - 1
     if resolve_backend(backend, logits.device) == "torch":
         return count_nonfinite_per_request_ref(logits, cu_rows, mode)
-    out = torch.empty(num_requests, dtype=torch.int32, device=logits.device)
+    out = torch.zeros(num_requests, dtype=torch.int32, device=logits.device)
     if num_requests == 0:
         return out
+    exp_mask, mant_mask = NONFINITE_BITS[logits.dtype]
+    num_rows, vocab = logits.shape
+    max_programs = max_programs or default_max_programs(logits.device)
+    block = chunk_words(vocab, cap=COLUMNS_PER_LOAD)
+    # Cut each request's columns into as many ranges as it takes to give every program
+    # an item (the request count is known here without a sync; its rows are not).
+    chunks = -(-vocab // block)
+    num_splits = max(1, min(chunks, -(-max_programs * ITEMS_PER_PROGRAM // num_requests)))
+    cols_per_split = -(-chunks // num_splits) * block
+    num_splits = -(-vocab // cols_per_split)
+    num_items = num_requests * num_splits
+    _count_nonfinite_kernel[launch_grid(num_items, max_programs)](
+        int_view(logits),
+        cu_rows.contiguous(),
+        out,
+        num_items,
+        num_splits,
+        cols_per_split,
+        num_rows,
+        vocab,
+        logits.stride(0),
+        logits.stride(1),
+        EXP_MASK=exp_mask,
+        MANT_MASK=mant_mask,
+        NAN_ONLY=mode is NonFiniteMode.NAN,
+        BLOCK=block,
+        num_warps=NUM_WARPS,
+    )
+    return out
     exp_mask, mant_mask = NONFINITE_BITS[logits.dtype]
     num_rows, vocab = logits.shape
     max_programs = max_programs or default_max_programs(logits.device)

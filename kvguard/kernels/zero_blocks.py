@@ -26,6 +26,11 @@ from kvguard.kernels.layout import KVCacheLayout, Region, checked_ids
 
 __all__ = ["zero_blocks", "zero_blocks_ref"]
 
+# Launch shape, measured on an H200 (docs/kernels.md, "Speed"): words one item stores at
+# most, and warps per program.
+WORDS_PER_ITEM = 4096
+NUM_WARPS = 4
+
 if HAS_TRITON:
     from kvguard.kernels._addressing import TRITON_INT, split_item
 
@@ -86,7 +91,7 @@ def _launch_zero_blocks(
     max_programs: int,
 ) -> None:
     """Launch the kernel for a region already counted in ``word_bytes``-wide words."""
-    block = chunk_words(region.inner)
+    block = chunk_words(region.inner, cap=WORDS_PER_ITEM)
     num_chunks = -(-region.inner // block)
     (s0, t0), (s1, t1), (s2, t2) = region.outer
     num_items = ids.numel() * table.numel() * s0 * s1 * s2 * num_chunks
@@ -107,6 +112,7 @@ def _launch_zero_blocks(
         num_chunks,
         WORD=word,
         BLOCK=block,
+        num_warps=NUM_WARPS,
     )
 
 

@@ -6,6 +6,8 @@ import pytest
 
 pytest.importorskip("torch")
 
+import importlib
+
 import torch
 
 from kvguard.kernels import NonFiniteMode, count_nonfinite_per_request
@@ -13,6 +15,9 @@ from kvguard.kernels import NonFiniteMode, count_nonfinite_per_request
 from .cases import ALL_DTYPES, finite, on_device, seeded
 
 NAN, INF = float("nan"), float("inf")
+
+# The package re-exports the function under the module's name; fetch the module itself.
+count_module = importlib.import_module("kvguard.kernels.count_nonfinite")
 
 
 def _expected(logits: torch.Tensor, cu_rows: list[int], mode: NonFiniteMode) -> list[int]:
@@ -122,6 +127,26 @@ def test_int32_cu_rows() -> None:
     logits[2, 2] = NAN
     cu = torch.tensor([0, 2, 3], dtype=torch.int32)
     assert _count(logits, cu, "nan", "triton") == [0, 1]
+
+
+@pytest.mark.parametrize("max_programs", [1, 3, 64])
+def test_columns_split_over_programs_add_up(
+    max_programs: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Few requests, many programs: each request's columns are cut into ranges whose
+    counts are added atomically. Narrow loads make 337 columns 22 chunks, so ranges end
+    mid-row and the last one is partial."""
+    monkeypatch.setattr(count_module, "COLUMNS_PER_LOAD", 16)
+    g = seeded(31)
+    logits = finite((7, 337), torch.float32, seed=31)
+    bad = torch.rand((7, 337), generator=g, device="cpu") < 0.1
+    logits[on_device(bad)] = NAN
+    logits[on_device(torch.rand((7, 337), generator=g, device="cpu") < 0.05)] = -INF
+    cu = [0, 3, 3, 4, 7]  # multi-row, empty, single-row, multi-row
+    for mode in NonFiniteMode:
+        want = _expected(logits, cu, mode)
+        assert sum(want) > 0
+        assert _count(logits, cu, mode, "triton", max_programs=max_programs) == want
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])

@@ -17,10 +17,10 @@ from kvguard.kernels.zero_blocks import zero_blocks, zero_blocks_ref
 from .cases import (
     ALL_DTYPES,
     ALL_KINDS,
+    ON_GPU,
     STRIDINGS,
     assert_same_bytes,
     build_cache,
-    ON_GPU,
     interpreter_only,
     raw_bytes,
 )
