@@ -29,6 +29,7 @@ __all__ = ["audit_blocks", "audit_blocks_ref"]
 # at most, and warps per program.
 ELEMENTS_PER_ITEM = 8192
 NUM_WARPS = 4
+NUM_STAGES = 3
 
 if HAS_TRITON:
     from kvguard.kernels._addressing import TRITON_INT, split_item
@@ -120,6 +121,7 @@ def _launch_audit_blocks(
         EXP_MASK=NONFINITE_BITS[dtype][0],
         BLOCK=block,
         num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
     )
 
 

@@ -36,6 +36,7 @@ __all__ = ["NonFiniteMode", "count_nonfinite_per_request", "count_nonfinite_per_
 COLUMNS_PER_LOAD = 4096
 ITEMS_PER_PROGRAM = 1
 NUM_WARPS = 4
+NUM_STAGES = 3
 
 
 class NonFiniteMode(enum.Enum):
@@ -187,6 +188,7 @@ def count_nonfinite_per_request(
         NAN_ONLY=mode is NonFiniteMode.NAN,
         BLOCK=block,
         num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
     )
     return out
     exp_mask, mant_mask = NONFINITE_BITS[logits.dtype]

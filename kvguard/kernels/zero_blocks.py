@@ -30,6 +30,8 @@ __all__ = ["zero_blocks", "zero_blocks_ref"]
 # most, and warps per program.
 WORDS_PER_ITEM = 4096
 NUM_WARPS = 4
+NUM_STAGES = 3
+EVICTION = ""
 
 if HAS_TRITON:
     from kvguard.kernels._addressing import TRITON_INT, split_item
@@ -51,6 +53,7 @@ if HAS_TRITON:
         num_chunks: tl.tensor,  # cdiv(inner, BLOCK)
         WORD: tl.constexpr,  # integer dtype one word wide: zeros are stored as raw bits
         BLOCK: tl.constexpr,  # words one item stores (power of two)
+        EVICTION: tl.constexpr,  # L2 eviction policy of the stores ("" = default)
     ) -> None:
         pid = tl.program_id(0).to(tl.int64)
         num_programs = tl.num_programs(0).to(tl.int64)
@@ -67,7 +70,7 @@ if HAS_TRITON:
             word = chunk * BLOCK + offs
             # int64 throughout: block * block_stride passes 2**31 words in large caches.
             offset = block * block_stride + o0 * stride0 + o1 * stride1 + o2 * stride2 + word
-            tl.store(base + offset, zeros, mask=word < inner)
+            tl.store(base + offset, zeros, mask=word < inner, eviction_policy=EVICTION)
 
 
 def zero_blocks_ref(layout: KVCacheLayout, block_ids: torch.Tensor) -> None:
@@ -112,7 +115,9 @@ def _launch_zero_blocks(
         num_chunks,
         WORD=word,
         BLOCK=block,
+        EVICTION=EVICTION,
         num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
     )
 
 

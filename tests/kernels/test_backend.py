@@ -96,8 +96,9 @@ region = {"size0": I32, "size1": I32, "size2": I32, "stride0": I64, "stride1": I
 cases = [
     (mods["zero_blocks"]._zero_blocks_kernel,
      {"table_ptr": "*i64", "ids_ptr": "*i64", "num_items": I64, "num_layers": I32,
-      "block_stride": I64, **region, "WORD": "constexpr", "BLOCK": "constexpr"},
-     {"WORD": tl.int64, "BLOCK": 1024}),
+      "block_stride": I64, **region, "WORD": "constexpr", "BLOCK": "constexpr",
+      "EVICTION": "constexpr"},
+     {"WORD": tl.int64, "BLOCK": 1024, "EVICTION": ""}),
     (mods["zero_slots"]._zero_slots_kernel,
      {"table_ptr": "*i64", "slots_ptr": "*i64", "num_items": I32, "num_layers": I32,
       "block_size": I32, "block_stride": I64, "token_stride": I32, **region,
