@@ -27,9 +27,9 @@ __all__ = ["audit_blocks", "audit_blocks_ref"]
 
 # Launch shape, measured on an H200 (docs/kernels.md, "Speed"): elements one item reads
 # at most, and warps per program.
-ELEMENTS_PER_ITEM = 8192
-NUM_WARPS = 4
-NUM_STAGES = 3
+ELEMENTS_PER_ITEM = 16384
+NUM_WARPS = 8
+NUM_STAGES = 1
 
 if HAS_TRITON:
     from kvguard.kernels._addressing import TRITON_INT, split_item

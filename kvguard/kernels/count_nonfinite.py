@@ -33,10 +33,10 @@ __all__ = ["NonFiniteMode", "count_nonfinite_per_request", "count_nonfinite_per_
 
 # Launch shape, measured on an H200 (docs/kernels.md, "Speed"): columns one load reads at
 # most, work items per program, and warps per program.
-COLUMNS_PER_LOAD = 4096
-ITEMS_PER_PROGRAM = 1
+COLUMNS_PER_LOAD = 1024
+ITEMS_PER_PROGRAM = 2
 NUM_WARPS = 4
-NUM_STAGES = 3
+NUM_STAGES = 4
 
 
 class NonFiniteMode(enum.Enum):
