@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvguard import SlotRange
 from kvguard.kernels import (
     KVCacheLayout,
     LayoutKind,
@@ -118,13 +119,17 @@ def _layout_rows(
     if kind is not LayoutKind.FLASH_ATTN:
         return
 
+    # A step's queue, as the pool hands it out: a list of ints (no range-check sync).
     step_ids = ids[:16]
-    t_step = bench.time(lambda: zero_blocks(layout, step_ids))
+    step_list = step_ids.tolist()
+    t_step = bench.time(lambda: zero_blocks(layout, step_list))
     t_step_base = bench.time(lambda: torch_zero(step_ids))
     bench.report("zero_blocks 16 ids", layout.bytes_per_block * 16, t_step, t_step_base)
 
-    # zero_slots: wipe the last 5 tokens of 64 requests' tail blocks.
+    # zero_slots: wipe the last 5 tokens of 64 requests' tail blocks, given as the pool's
+    # SlotRanges (what CacheWiper drains).
     block_size = layout.block_size
+    ranges = [SlotRange(b, 11, 16) for b in ids[:64].tolist()]
     tails = ids[:64] * block_size
     slots = (tails[:, None] + torch.arange(11, 16, device=ids.device)).flatten()
     blocks_idx, tok_idx = slots // block_size, slots % block_size
@@ -133,7 +138,7 @@ def _layout_rows(
         for c in caches:
             c[:, blocks_idx, tok_idx] = 0
 
-    t_zs = bench.time(lambda: zero_slots(layout, slots))
+    t_zs = bench.time(lambda: zero_slots(layout, ranges))
     slot_bytes = layout.bytes_per_slot * slots.numel()
     bench.report("zero_slots", slot_bytes, t_zs, bench.time(torch_zero_slots))
 
