@@ -26,7 +26,7 @@ from kvguard.kernels.layout import KVCacheLayout, Region, checked_ids
 __all__ = ["audit_blocks", "audit_blocks_ref"]
 
 # Launch shape, measured on an H200 (docs/kernels.md, "Speed"): elements one item reads
-# at most, and warps per program.
+# at most, warps per program, and software-pipeline stages.
 ELEMENTS_PER_ITEM = 16384
 NUM_WARPS = 8
 NUM_STAGES = 1

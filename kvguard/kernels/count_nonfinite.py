@@ -32,7 +32,8 @@ from kvguard.kernels.backend import (
 __all__ = ["NonFiniteMode", "count_nonfinite_per_request", "count_nonfinite_per_request_ref"]
 
 # Launch shape, measured on an H200 (docs/kernels.md, "Speed"): columns one load reads at
-# most, work items per program, and warps per program.
+# most, the work items to aim for per program (how finely columns are split), warps per
+# program, and software-pipeline stages.
 COLUMNS_PER_LOAD = 1024
 ITEMS_PER_PROGRAM = 2
 NUM_WARPS = 4
@@ -189,23 +190,5 @@ def count_nonfinite_per_request(
         BLOCK=block,
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
-    )
-    return out
-    exp_mask, mant_mask = NONFINITE_BITS[logits.dtype]
-    num_rows, vocab = logits.shape
-    max_programs = max_programs or default_max_programs(logits.device)
-    _count_nonfinite_kernel[launch_grid(num_requests, max_programs)](
-        int_view(logits),
-        cu_rows.contiguous(),
-        out,
-        num_requests,
-        num_rows,
-        vocab,
-        logits.stride(0),
-        logits.stride(1),
-        EXP_MASK=exp_mask,
-        MANT_MASK=mant_mask,
-        NAN_ONLY=mode is NonFiniteMode.NAN,
-        BLOCK=chunk_words(vocab, cap=4096),
     )
     return out

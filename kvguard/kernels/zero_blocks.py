@@ -27,7 +27,7 @@ from kvguard.kernels.layout import KVCacheLayout, Region, checked_ids
 __all__ = ["zero_blocks", "zero_blocks_ref"]
 
 # Launch shape, measured on an H200 (docs/kernels.md, "Speed"): words one item stores at
-# most, and warps per program.
+# most, warps per program, software-pipeline stages, and the stores' L2 eviction policy.
 WORDS_PER_ITEM = 4096
 NUM_WARPS = 4
 NUM_STAGES = 3
