@@ -189,3 +189,33 @@ def test_auto_backend_runs_triton_under_the_interpreter() -> None:
 def test_auto_backend_runs_compiled_triton_on_cuda() -> None:
     assert resolve_backend("auto", torch.device("cuda")) == "triton"
     assert resolve_backend("auto", torch.device("cpu")) == "torch"  # no interpreter here
+
+
+def test_item_width_limits_padding() -> None:
+    from kvguard.kernels._addressing import chunk_words
+
+    assert chunk_words(2304, 4096) == 512  # MLA: 18 KiB runs, 10% padding instead of 44%
+    assert chunk_words(4096, 4096) == 4096  # a FlashAttention block half: one item
+    assert chunk_words(4096, 1024) == 1024  # the cap holds
+    assert chunk_words(1500, 1024) == 512
+    assert chunk_words(300, 4096) == 256  # never narrower than MIN_CHUNK for padding's sake
+    assert chunk_words(5, 1024) == 8  # short runs: one item
+
+
+def test_runs_cut_into_several_padded_items_match_reference() -> None:
+    # MLA rows of 600 fp32 = 300 words: two 256-word items per block, the second mostly
+    # masked off; the sentinel bytes around every block must survive.
+    spec = dict(
+        kind=LayoutKind.MLA,
+        dtype=torch.float32,
+        num_layers=2,
+        num_blocks=4,
+        block_size=1,
+        heads=1,
+        head_dim=600,
+        seed=9,
+    )
+    got, layout, want, ref_layout = _twin(**spec)
+    zero_blocks(layout, [2, 0], backend="triton")
+    zero_blocks(ref_layout, [2, 0], backend="torch")
+    assert_same_bytes(got, want)
