@@ -374,7 +374,11 @@ class RequestSteps(PoolCore):
         del self._requests[request_id]
         blocks = self._blocks
         retention = rec.retention
-        cached: list[int] = []
+        free = self._free
+        # Cached blocks (the common case) go straight into their eviction class, in
+        # this loop: tail first, so the tail is evicted before the shared prefix.
+        bucket = free.evictable_class(retention)
+        num_cached = len(bucket)
         released: list[Block] = []
         for block_id in reversed(rec.blocks):
             block = blocks[block_id]
@@ -382,13 +386,12 @@ class RequestSteps(PoolCore):
             block.ref_cnt = ref
             if ref:
                 continue
-            if block.state in _STAYS_CACHED:  # the common case, kept inline
+            if block.state in _STAYS_CACHED:
                 block.retention = retention
-                cached.append(block_id)
+                bucket[block_id] = None
             else:
                 released.append(block)
-        if cached:
-            self._free.push_evictable_ids(retention, cached)
+        free.count_evictable(retention, len(bucket) - num_cached)
         if released:
             self._drop_last_refs(released, retention)
 
