@@ -106,22 +106,6 @@ class FreeQueue:
         self._num_evictable += len(block_ids)
         self.size += len(block_ids)
 
-    def evictable_class(self, retention: int) -> OrderedDict[int, None]:
-        """The eviction queue of one retention class (oldest first), for a caller that
-        enqueues cached blocks into it in its own loop: each ``bucket[block_id] = None``
-        must be followed by one :meth:`count_evictable` for them all. (The request-level
-        ``free`` does this: one pass over a request's blocks instead of two.)"""
-        return self._class(retention)
-
-    def count_evictable(self, retention: int, n: int) -> None:
-        """Account for ``n`` blocks put into :meth:`evictable_class` ``(retention)``; a
-        class that stayed empty is dropped again."""
-        if n:
-            self._num_evictable += n
-            self.size += n
-        elif not self._evictable[retention]:
-            self._drop_class(retention)
-
     def take_empty(self, n: int) -> list[int] | None:
         """The fast path of :meth:`take`: the next ``n`` ids when they are all FREE
         blocks (no quarantined block waiting, enough empty ones); else None and nothing

@@ -374,11 +374,7 @@ class RequestSteps(PoolCore):
         del self._requests[request_id]
         blocks = self._blocks
         retention = rec.retention
-        free = self._free
-        # Cached blocks (the common case) go straight into their eviction class, in
-        # this loop: tail first, so the tail is evicted before the shared prefix.
-        bucket = free.evictable_class(retention)
-        num_cached = len(bucket)
+        cached: list[int] = []
         released: list[Block] = []
         for block_id in reversed(rec.blocks):
             block = blocks[block_id]
@@ -386,12 +382,13 @@ class RequestSteps(PoolCore):
             block.ref_cnt = ref
             if ref:
                 continue
-            if block.state in _STAYS_CACHED:
+            if block.state in _STAYS_CACHED:  # the common case, kept inline
                 block.retention = retention
-                bucket[block_id] = None
+                cached.append(block_id)
             else:
                 released.append(block)
-        free.count_evictable(retention, len(bucket) - num_cached)
+        if cached:
+            self._free.push_evictable_ids(retention, cached)
         if released:
             self._drop_last_refs(released, retention)
 
