@@ -10,13 +10,23 @@ once more with the 16 ids a scheduler step typically hands it (latency, not band
 Without CUDA it times the torch reference path only, on small shapes: GPU figures need a GPU.
 
 Run: ``python benchmarks/kernels.py`` (``--quick`` for smaller shapes).
+
+``--sweep`` re-derives the launch shapes instead (the constants at the top of
+``zero_blocks``, ``audit_blocks`` and ``count_nonfinite``, chosen on an H200): it times
+every combination of a grid of them on this GPU and prints each kernel's best ones and
+where the current constants rank. ``--quick --sweep`` on CPU (under TRITON_INTERPRET=1)
+only checks that the sweep runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
+import itertools
 import time
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 
@@ -154,9 +164,112 @@ def _layout_rows(
     bench.report("audit_blocks", nbytes, t_audit, bench.time(torch_audit))
 
 
+# Launch-shape grids for --sweep: module -> {constant: candidate values}.
+SWEEP_GRIDS: dict[str, dict[str, list[object]]] = {
+    "zero_blocks": {
+        "WORDS_PER_ITEM": [1024, 2048, 4096, 8192],
+        "NUM_WARPS": [4, 8, 16],
+        "NUM_STAGES": [1, 3],
+        "EVICTION": ["", "evict_first"],
+    },
+    "audit_blocks": {
+        "ELEMENTS_PER_ITEM": [4096, 8192, 16384, 32768],
+        "NUM_WARPS": [4, 8, 16],
+        "NUM_STAGES": [1, 3],
+    },
+    "count_nonfinite": {
+        "COLUMNS_PER_LOAD": [512, 1024, 2048, 4096],
+        "ITEMS_PER_PROGRAM": [1, 2, 4],
+        "NUM_WARPS": [4, 8],
+        "NUM_STAGES": [1, 3, 4],
+    },
+}
+
+
+def _sweep(
+    bench: Bench,
+    module_name: str,
+    workloads: list[tuple[str, Callable[[], object], int]],
+    quick: bool,
+) -> None:
+    """Time every launch shape of ``SWEEP_GRIDS[module_name]`` on each workload (name,
+    call, bytes moved) and rank the shapes by their worst fraction of the copy's rate."""
+    module: ModuleType = importlib.import_module(f"kvguard.kernels.{module_name}")
+    grid = SWEEP_GRIDS[module_name]
+    if quick:  # a plumbing check: two values of each constant
+        grid = {name: values[:2] for name, values in grid.items()}
+    names = list(grid)
+    current = tuple(getattr(module, name) for name in names)
+    results: list[tuple[float, tuple[object, ...], list[float]]] = []
+    try:
+        for shape in itertools.product(*grid.values()):
+            for name, value in zip(names, shape, strict=True):
+                setattr(module, name, value)
+            fractions = [
+                _gbps(moved, bench.time(call)) / bench.ceiling(moved)
+                for _, call, moved in workloads
+            ]
+            results.append((min(fractions), shape, fractions))
+    finally:
+        for name, value in zip(names, current, strict=True):
+            setattr(module, name, value)
+    results.sort(key=lambda r: r[0], reverse=True)
+    header = ", ".join(w[0] for w in workloads)
+    print(f"\n{module_name}: {len(results)} launch shapes, fraction of copy rate ({header})")
+    rank = next((i for i, r in enumerate(results) if r[1] == current), None)
+    if rank is None:
+        print("  (the current constants are not in this grid)")
+    for i, (_, shape, fractions) in enumerate(results):
+        if i < 5 or i == rank:
+            settings = " ".join(f"{n}={v!r}" for n, v in zip(names, shape, strict=True))
+            mark = "  <- current" if i == rank else ""
+            print(f"  #{i + 1:<3} {' '.join(f'{f:5.2f}' for f in fractions)}  {settings}{mark}")
+
+
+def _sweep_all(bench: Bench, sizes: tuple[int, int, int, int], quick: bool) -> None:
+    """Sweep each kernel on the benchmark's workloads (at full size the three layouts'
+    caches are held at once: about 40 GB of GPU memory)."""
+    layers, num_blocks, heads, head_dim = sizes
+    device = bench.device
+    ids = torch.randperm(num_blocks, device=device)[: num_blocks // 4]
+    zero_loads: list[tuple[str, Callable[[], object], int]] = []
+    flash: KVCacheLayout | None = None
+    for kind in LayoutKind:
+        dim = 576 if kind is LayoutKind.MLA else head_dim
+        shape = _logical_shape(kind, num_blocks, 16, heads, dim)
+        caches = [torch.zeros(shape, dtype=torch.bfloat16, device=device) for _ in range(layers)]
+        layout = KVCacheLayout(caches, kind, block_size=16)
+        flash = layout if kind is LayoutKind.FLASH_ATTN else flash
+        zero_loads.append(
+            (
+                kind.name.lower(),
+                functools.partial(zero_blocks, layout, ids),
+                layout.bytes_per_block * ids.numel(),
+            )
+        )
+    _sweep(bench, "zero_blocks", zero_loads, quick)
+    assert flash is not None
+    audit_load = (
+        "flash_attn",
+        lambda: audit_blocks(flash, ids),
+        flash.bytes_per_block * ids.numel(),
+    )
+    _sweep(bench, "audit_blocks", [audit_load], quick)
+    rows, vocab = (512, 128_256) if device.type == "cuda" and not quick else (4, 64)
+    logits = torch.randn(rows, vocab, device=device)
+    cu_rows = torch.arange(0, rows + 1, 2, device=device)
+    count_load = (
+        f"{rows}x{vocab}",
+        lambda: count_nonfinite_per_request(logits, cu_rows),
+        logits.numel() * logits.element_size(),
+    )
+    _sweep(bench, "count_nonfinite", [count_load], quick)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small shapes, few repetitions")
+    parser.add_argument("--sweep", action="store_true", help="re-derive the launch shapes")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -171,6 +284,16 @@ def main() -> None:
         f"device: {device} ({torch.cuda.get_device_name() if cuda else 'no CUDA'}), "
         f"kvguard backend: {backend}, torch {torch.__version__}"
     )
+    if args.sweep:
+        if backend != "triton":
+            raise SystemExit(
+                "--sweep times the Triton kernels: it needs CUDA or TRITON_INTERPRET=1"
+            )
+        if cuda:
+            _sweep_all(bench, (layers, num_blocks, heads, head_dim), quick)
+        else:  # the interpreter: a check that the sweep runs, on a toy cache
+            _sweep_all(Bench(device, reps=1), (1, 8, 1, 16), quick=True)
+        return
     if not cuda:
         print("NOTE: CPU run times the torch reference path; GPU figures need CUDA.\n")
     print(
