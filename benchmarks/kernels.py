@@ -42,6 +42,8 @@ from kvguard.kernels import (
 from kvguard.kernels.backend import resolve_backend
 
 BURST = 10
+# The cache the GPU rows use: Llama-8B-like (block size 16; MLA: DeepSeek's 576-wide latent).
+BLOCK_SIZE, MLA_DIM = 16, 576
 
 
 def _timeit(fn: Callable[[], object], device: torch.device, reps: int) -> float:
@@ -235,10 +237,10 @@ def _sweep_all(bench: Bench, sizes: tuple[int, int, int, int], quick: bool) -> N
     zero_loads: list[tuple[str, Callable[[], object], int]] = []
     flash: KVCacheLayout | None = None
     for kind in LayoutKind:
-        dim = 576 if kind is LayoutKind.MLA else head_dim
-        shape = _logical_shape(kind, num_blocks, 16, heads, dim)
+        dim = MLA_DIM if kind is LayoutKind.MLA else head_dim
+        shape = _logical_shape(kind, num_blocks, BLOCK_SIZE, heads, dim)
         caches = [torch.zeros(shape, dtype=torch.bfloat16, device=device) for _ in range(layers)]
-        layout = KVCacheLayout(caches, kind, block_size=16)
+        layout = KVCacheLayout(caches, kind, block_size=BLOCK_SIZE)
         flash = layout if kind is LayoutKind.FLASH_ATTN else flash
         zero_loads.append(
             (
@@ -277,7 +279,7 @@ def main() -> None:
     # A Llama-8B-like cache on GPU (32 layers, 8 KV heads, head_dim 128, bf16, block_size
     # 16; MLA: DeepSeek's 576-wide latent); a few layers and blocks on CPU.
     layers, num_blocks, heads, head_dim = (4, 256, 8, 128) if quick else (32, 8192, 8, 128)
-    block_size, dtype, mla_dim = 16, torch.bfloat16, 576
+    block_size, dtype, mla_dim = BLOCK_SIZE, torch.bfloat16, MLA_DIM
     bench = Bench(device, reps=5 if quick else 50)
     backend = resolve_backend("auto", device)
     print(
