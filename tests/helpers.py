@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
 from kvguard import BlockPool, BlockState, OutOfBlocksError, PoolMisuseError, PrefixHit
 
@@ -38,3 +42,34 @@ def ran_or_changed_nothing(
         assert pool.snapshot() == before
         return False
     return True
+
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def run_benchmark(
+    script: str, *args: str, timeout: float, env: Mapping[str, str | None] | None = None
+) -> str:
+    """Run ``benchmarks/<script>`` with ``args`` as a user would, in a subprocess (vLLM's
+    import configures logging; a benchmark's output stays out of this process), and
+    return its stdout; a non-zero exit fails the test with the end of its stderr.
+
+    ``env`` sets variables, or removes those mapped to None. KVGUARD_CHECK_INVARIANTS is
+    always removed: benchmarks time the pool, not the checker."""
+    full_env = dict(os.environ)
+    full_env.pop("KVGUARD_CHECK_INVARIANTS", None)
+    for name, value in (env or {}).items():
+        if value is None:
+            full_env.pop(name, None)
+        else:
+            full_env[name] = value
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout

@@ -4,14 +4,11 @@ import configures logging and emits import-time warnings we keep out of this pro
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "pool_ops.py"
+from .helpers import run_benchmark
+
 ROWS = (
     "(a) alloc 1 + free, per pair",
     "(b) alloc 32 + free, per batch",
@@ -22,18 +19,7 @@ ROWS = (
 
 
 def _run(*args: str) -> str:
-    env = dict(os.environ)
-    env.pop("KVGUARD_CHECK_INVARIANTS", None)  # time the pool, not the checker
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
+    return run_benchmark("pool_ops.py", "--quick", *args, timeout=120)
 
 
 def _row(out: str, name: str) -> list[str]:

@@ -4,32 +4,21 @@ sweep run and print every row (in a subprocess, as a user runs them)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+
+from ..helpers import run_benchmark
 
 pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels.py"
-
 
 def _run(*args: str, interpret: bool) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if interpret and os.environ.get("KVGUARD_KERNEL_DEVICE", "cpu") == "cpu":
-        env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", *args],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-        check=False,
+    on_cpu = os.environ.get("KVGUARD_KERNEL_DEVICE", "cpu") == "cpu"
+    interpreter = "1" if interpret and on_cpu else None
+    return run_benchmark(
+        "kernels.py", "--quick", *args, timeout=240, env={"TRITON_INTERPRET": interpreter}
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
 
 
 ROWS = [
