@@ -95,7 +95,9 @@ def check_pool(pool: BlockPool) -> None:
     lowest = classes.peekitem(0) if classes else None
     first = pool._free._first
     if (first is None) != (lowest is None) or (
-        first is not None and lowest is not None and (first[0], first[1]) != lowest
+        first is not None
+        and lowest is not None
+        and (first[0] != lowest[0] or first[1] is not lowest[1])
     ):
         add(f"free queue's first eviction class {first!r} is not the lowest {lowest!r}")
     if any(not bucket for bucket in classes.values()):
