@@ -45,6 +45,7 @@ def make_vllm_config(
     max_num_seqs: int = 16,
     kvguard: Mapping[str, Any] | None = None,
     kv_transfer_config: Any = None,
+    speculative_config: Any = None,
 ) -> VllmConfig:
     sched_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -64,6 +65,7 @@ def make_vllm_config(
         cache_config=cache_config,
         additional_config=additional,
         kv_transfer_config=kv_transfer_config,
+        speculative_config=speculative_config,
     )
 
 
@@ -76,6 +78,7 @@ def make_scheduler(
     max_num_seqs: int = 16,
     kvguard: Mapping[str, Any] | None = None,
     kv_transfer_config: Any = None,
+    speculative_config: Any = None,
 ) -> Any:
     vllm_config = make_vllm_config(
         async_scheduling=async_scheduling,
@@ -84,6 +87,7 @@ def make_scheduler(
         max_num_seqs=max_num_seqs,
         kvguard=kvguard,
         kv_transfer_config=kv_transfer_config,
+        speculative_config=speculative_config,
     )
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks,

@@ -7,7 +7,10 @@ import pytest
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
+from vllm.config import SpeculativeConfig  # noqa: E402
+
 from kvguard import BlockState  # noqa: E402
+from kvguard.adapters.vllm.block_pool import GuardModeUnsupported  # noqa: E402
 from kvguard.adapters.vllm.config import GuardConfigError  # noqa: E402
 
 from .harness import (  # noqa: E402
@@ -126,3 +129,17 @@ def test_guard_refuses_to_start_without_nan_counts(monkeypatch: pytest.MonkeyPat
         make_scheduler()
     # Pass-through needs no NaN counts.
     make_scheduler(kvguard={"enabled": False})
+
+
+def test_guard_refuses_speculative_decoding() -> None:
+    # vLLM 0.33 maps per-row NaN counts to requests by row index: with draft tokens they
+    # would validate the wrong requests' steps. (The check is in the mixin both guarded
+    # schedulers share; vLLM itself refuses ngram drafts with async scheduling on CPU.)
+    def speculative() -> SpeculativeConfig:
+        return SpeculativeConfig(method="ngram", num_speculative_tokens=2, prompt_lookup_max=3)
+
+    with pytest.raises(GuardModeUnsupported, match="speculative decoding"):
+        make_scheduler(speculative_config=speculative())
+    # Pass-through runs vLLM's own speculative decoding as before.
+    s = make_scheduler(speculative_config=speculative(), kvguard={"enabled": False})
+    assert s.num_spec_tokens == 2 and s.kvguard_pool.core is None

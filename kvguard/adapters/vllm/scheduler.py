@@ -36,6 +36,7 @@ from kvguard.zeroing import ZeroPolicy
 
 require_supported_vllm()
 
+import vllm  # noqa: E402
 import vllm.envs as envs  # noqa: E402
 from vllm.logger import init_logger  # noqa: E402
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
@@ -45,6 +46,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvguard.block import PendingPublication  # noqa: E402
 
+from .block_pool import GuardModeUnsupported  # noqa: E402
 from .config import GuardConfig, GuardConfigError  # noqa: E402
 from .ledger import StepLedger  # noqa: E402
 from .manager import install_guarded_pool  # noqa: E402
@@ -75,6 +77,18 @@ class _GuardMixin:
                 f"vLLM computes only with {NAN_SETTING}=1 in the environment of the engine "
                 f"and its workers. Set {NAN_SETTING}=1, or KVGUARD_GUARD=0 to run the "
                 "scheduler in pass-through mode."
+            )
+        if guard.enabled and self.vllm_config.speculative_config is not None:
+            # vLLM 0.33's workers count NaNs per logits row and map row i to the i-th
+            # request (nans_to_dict). With draft tokens a request has several rows, so
+            # the counts name the wrong requests and rows past the batch size are
+            # dropped: a step could validate KV computed from NaN logits.
+            raise GuardModeUnsupported(
+                "kvguard cannot validate steps under speculative decoding with vLLM "
+                f"{vllm.__version__}: its per-request NaN counts are taken per logits "
+                "row, so with draft tokens they belong to other requests. Turn "
+                "speculative decoding off (no speculative_config), or set KVGUARD_GUARD=0 "
+                "to run the scheduler in pass-through mode."
             )
         self.kvguard_pool = install_guarded_pool(self.kv_cache_manager, guard)
         if guard.enabled:
