@@ -11,6 +11,11 @@ per-step best times (each step's fastest of all rounds, on each side) is the res
 Goal: guarded / stock <= 1.02. Run::
 
     python benchmarks/vllm_scheduler.py [--requests 400] [--rounds 7] [--async-scheduling]
+        [--output-tokens 8 64]
+
+``--output-tokens MIN MAX`` sets the range each request's output length is drawn from
+(default 8..63: short answers, so admissions, prefill chunks and frees -- the guard's
+per-block work -- weigh more than in a decode-heavy serving mix).
 
 ``--control`` runs stock vLLM on both sides: the ratio this method reports for two
 identical schedulers, i.e. its own bias and noise floor on the machine at hand.
@@ -82,7 +87,8 @@ def run_round(args: argparse.Namespace, repeat: int) -> tuple[Side, Side]:
         prompt = rng.choice(prefixes) + [
             rng.randrange(50_000) for _ in range(rng.randrange(8, 300))
         ]
-        arrivals.setdefault(i // 4, []).append((f"r{i}", prompt, rng.randrange(8, 64)))
+        max_tokens = rng.randrange(*args.output_tokens)
+        arrivals.setdefault(i // 4, []).append((f"r{i}", prompt, max_tokens))
     stock, guarded = Side(False, args), Side(not args.control, args)
     gc.collect()
     gc.freeze()  # set-up garbage and vLLM's own objects are not rescanned by timed steps
@@ -108,13 +114,24 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--async-scheduling", action="store_true")
     parser.add_argument(
+        "--output-tokens",
+        type=int,
+        nargs=2,
+        default=(8, 64),
+        metavar=("MIN", "MAX"),
+        help="output length of each request: drawn from [MIN, MAX)",
+    )
+    parser.add_argument(
         "--control", action="store_true", help="stock vLLM on both sides (the method's bias)"
     )
     args = parser.parse_args()
+    if not 1 <= args.output_tokens[0] < args.output_tokens[1]:
+        parser.error("--output-tokens needs 1 <= MIN < MAX")
     print(
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
         f"Python {platform.python_version()}, vllm {vllm.__version__}, "
-        f"{'async' if args.async_scheduling else 'sync'} scheduling"
+        f"{'async' if args.async_scheduling else 'sync'} scheduling, "
+        f"output tokens {args.output_tokens[0]}..{args.output_tokens[1] - 1}"
         + (", CONTROL RUN: stock vLLM on both sides" if args.control else "")
     )
     # The second side's name in the report ("stock#2" in a control run).

@@ -13,7 +13,9 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
 
-@pytest.mark.parametrize("mode", [[], ["--async-scheduling"], ["--control"]])
+@pytest.mark.parametrize(
+    "mode", [[], ["--async-scheduling"], ["--control"], ["--output-tokens", "64", "96"]]
+)
 def test_scheduler_benchmark_runs_both_schedulers_on_one_trace(mode: list[str]) -> None:
     out = run_benchmark(
         "vllm_scheduler.py", "--requests", "12", "--rounds", "2", *mode, timeout=300
@@ -23,3 +25,5 @@ def test_scheduler_benchmark_runs_both_schedulers_on_one_trace(mode: list[str]) 
     ratio = re.search(rf"ratio {second}/stock = (\d+\.\d+)", out)
     assert ratio is not None and 0.5 < float(ratio.group(1)) < 5
     assert "schedule():" in out and "update_from_output():" in out
+    low, high = mode[1:] if "--output-tokens" in mode else ("8", "64")
+    assert f"output tokens {low}..{int(high) - 1}" in out
