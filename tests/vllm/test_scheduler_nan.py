@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 pytestmark = pytest.mark.vllm
@@ -26,7 +28,7 @@ from .harness import (  # noqa: E402
 PROMPT = list(range(1000, 1000 + 4 * BLOCK))  # 4 full blocks
 
 
-def _states(scheduler, req_id):  # type: ignore[no-untyped-def]
+def _states(scheduler: Any, req_id: str) -> list[BlockState]:
     core = scheduler.kvguard_pool.core
     (ids,) = scheduler.kv_cache_manager.get_block_ids(req_id)
     return [core.block_state(b) for b in ids]
@@ -143,3 +145,43 @@ def test_guard_refuses_speculative_decoding() -> None:
     # Pass-through runs vLLM's own speculative decoding as before.
     s = make_scheduler(speculative_config=speculative(), kvguard={"enabled": False})
     assert s.num_spec_tokens == 2 and s.kvguard_pool.core is None
+
+
+def _without_count(scheduler: Any, scheduler_output: Any, req_id: str) -> Any:
+    """The worker's output with ``req_id`` left out of the NaN counts."""
+    output = model_output(scheduler, scheduler_output)
+    del output.num_nans_in_logits[req_id]
+    return output
+
+
+def test_a_step_without_a_nan_count_waits_for_a_counted_step() -> None:
+    s = make_scheduler()
+    s.add_request(make_request("a", PROMPT, max_tokens=8))
+    so = s.schedule()
+    s.update_from_output(so, _without_count(s, so, "a"))  # a's prefill: not counted
+    assert _states(s, "a") == [BlockState.WRITTEN] * 4
+    assert s.kvguard_stats()["steps_unchecked"] == 1
+    # Not shared while unchecked: b, admitted now, gets no hit.
+    s.add_request(make_request("b", PROMPT, max_tokens=8))
+    so = s.schedule()
+    assert hit_tokens(so) == {"b": 0}
+    s.update_from_output(so, model_output(s, so))  # a's decode step, counted clean
+    s.kvguard_pool.check_consistency()
+    # a's next counted step vouched for its prompt: validated now (b's copies, filled in
+    # the same step, may have been indexed first), and a hit for c.
+    assert set(_states(s, "a")[:4]) <= {BlockState.VALIDATED, BlockState.PUBLISHED}
+    s.add_request(make_request("c", PROMPT))
+    so = s.schedule()
+    assert hit_tokens(so)["c"] == 3 * BLOCK
+
+
+def test_a_request_leaving_after_an_unchecked_step_is_quarantined() -> None:
+    s = make_scheduler()
+    s.add_request(make_request("a", PROMPT, max_tokens=1))
+    so = s.schedule()
+    out = s.update_from_output(so, _without_count(s, so, "a"))
+    assert finish_reasons(out) == {"a": "length"}  # vLLM's own stop: delivered as usual
+    stats = s.kvguard_pool.core.stats()
+    assert stats.blocks_by_state[BlockState.QUARANTINED] == 4
+    assert stats.blocks_by_state[BlockState.PUBLISHED] == 0
+    s.kvguard_pool.check_consistency()

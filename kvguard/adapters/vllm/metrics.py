@@ -31,7 +31,8 @@ class GuardMetrics:
     steps_validated: int = 0
     """Per-request step results that validated (clean NaN count)."""
     steps_unchecked: int = 0
-    """Per-request step results without a NaN count (counted as clean)."""
+    """Per-request step results without a NaN count: what they filled is validated only
+    by a later step of the request that is counted clean."""
     blocks_zeroed: int = 0
     """Block ids handed to the worker through ``new_block_ids_to_zero``."""
 
@@ -42,7 +43,9 @@ class GuardMetrics:
 _HELP = {
     "requests_aborted": "Requests finished with an error because a step's logits had NaN",
     "steps_validated": "Per-request steps whose logits were NaN-free",
-    "steps_unchecked": "Per-request steps without a NaN count (counted as clean)",
+    "steps_unchecked": (
+        "Per-request steps without a NaN count (their blocks wait for a counted step)"
+    ),
     "blocks_zeroed": "Block ids sent to the workers in new_block_ids_to_zero",
 }
 

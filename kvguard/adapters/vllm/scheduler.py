@@ -105,6 +105,9 @@ class _GuardMixin:
         self._kvguard_failing: dict[str, int] = {}
         # Requests that left after a clean step, whose blocks are not released yet.
         self._kvguard_clean: set[str] = set()
+        # Requests whose latest step came back without a NaN count: not known clean
+        # until a later step of theirs is counted clean.
+        self._kvguard_unchecked: set[str] = set()
 
     def _kvguard_setup_zeroing(self, kv_cache_config: Any) -> None:
         """Only kvguard's zero queue goes to the worker, unless vLLM needs its own."""
@@ -207,9 +210,17 @@ class _GuardMixin:
             if connector_output is not None
             else _NONE
         )
+        waiting = self._kvguard_unchecked
+        if waiting:  # a step counted clean vouches for the earlier unchecked ones
+            waiting.difference_update([r for r in waiting if nans.get(r) == 0])
+        unchecked: set[str] | frozenset[str] = _NONE
         if len(nans) < len(scheduled):
-            metrics.steps_unchecked += sum(1 for r in scheduled if r not in nans)
-        metrics.steps_validated += len(scheduled) - len(dropped) - len(failed)
+            # vLLM left these requests out of the counts: their step is not known to
+            # be clean, so nothing it filled is validated now (see the carry below).
+            unchecked = {r for r in scheduled if r not in nans and r not in dropped}
+            metrics.steps_unchecked += len(unchecked)
+            waiting.update(unchecked)
+        metrics.steps_validated += len(scheduled) - len(dropped) - len(failed) - len(unchecked)
         fills = record.fills
         if fills:
             ids: list[int] = []
@@ -217,9 +228,10 @@ class _GuardMixin:
             for req_id, filled in fills.items():
                 if req_id in failed or req_id in suspect:
                     continue
-                if req_id not in scheduled:
-                    # Filled without a step (KV a connector finished loading): the
-                    # request's first step computing on it vouches for it.
+                if req_id not in scheduled or req_id in unchecked:
+                    # Filled without a step (KV a connector finished loading), or by a
+                    # step that came back without a NaN count: the request's next
+                    # counted step, computing on it, vouches for it.
                     carry.setdefault(req_id, []).extend(filled)
                     held = record.publications
                     self._kvguard_carry_publications.update(
@@ -286,11 +298,11 @@ class _GuardMixin:
         """The request leaves (finished or preempted); its blocks are released next,
         now or -- held by a connector -- later.
 
-        With no step of it in flight and not failing, its last step was clean: the
-        blocks it wrote that no step filled (the partial tail) are validated as they
-        are released, so the release frees them plainly. Otherwise they stay WRITTEN
-        and the release quarantines them (zeroed before reuse). Every in-flight step
-        forgets it.
+        With no step of it in flight, not failing, and its last step counted (not
+        unchecked), its last step was clean: the blocks it wrote that no step
+        validated (the partial tail) are validated as they are released, so the
+        release frees them plainly. Otherwise they stay WRITTEN and the release
+        quarantines them (zeroed before reuse). Every in-flight step forgets it.
         """
         req_id = request.request_id
         carried = self._kvguard_carry.pop(req_id, None)
@@ -300,7 +312,11 @@ class _GuardMixin:
         if self.kvguard_pool.core is None:
             return
         ledger = self._kvguard_ledger
-        if req_id not in self._kvguard_failing and not ledger.in_flight(req_id):
+        unchecked = self._kvguard_unchecked
+        if unchecked and req_id in unchecked:
+            unchecked.discard(req_id)
+            self._kvguard_clean.discard(req_id)  # its last step was never counted
+        elif req_id not in self._kvguard_failing and not ledger.in_flight(req_id):
             self._kvguard_clean.add(req_id)
         else:
             self._kvguard_clean.discard(req_id)
