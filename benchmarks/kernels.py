@@ -87,6 +87,17 @@ def _logical_shape(
     return (blocks, block_size, dim)  # MLA: one latent vector per token
 
 
+def _caches(
+    kind: LayoutKind, sizes: tuple[int, int, int, int], device: torch.device
+) -> list[torch.Tensor]:
+    """One zeroed bf16 cache per layer in ``kind``'s layout; ``sizes`` is (layers, blocks,
+    heads, head_dim), and MLA caches are MLA_DIM wide."""
+    layers, num_blocks, heads, head_dim = sizes
+    dim = MLA_DIM if kind is LayoutKind.MLA else head_dim
+    shape = _logical_shape(kind, num_blocks, BLOCK_SIZE, heads, dim)
+    return [torch.zeros(shape, dtype=torch.bfloat16, device=device) for _ in range(layers)]
+
+
 class Bench:
     """Timings of one run, each against a copy of the same size measured in this run."""
 
@@ -231,16 +242,13 @@ def _sweep(
 def _sweep_all(bench: Bench, sizes: tuple[int, int, int, int], quick: bool) -> None:
     """Sweep each kernel on the benchmark's workloads (at full size the three layouts'
     caches are held at once: about 40 GB of GPU memory)."""
-    layers, num_blocks, heads, head_dim = sizes
+    num_blocks = sizes[1]
     device = bench.device
     ids = torch.randperm(num_blocks, device=device)[: num_blocks // 4]
     zero_loads: list[tuple[str, Callable[[], object], int]] = []
     flash: KVCacheLayout | None = None
     for kind in LayoutKind:
-        dim = MLA_DIM if kind is LayoutKind.MLA else head_dim
-        shape = _logical_shape(kind, num_blocks, BLOCK_SIZE, heads, dim)
-        caches = [torch.zeros(shape, dtype=torch.bfloat16, device=device) for _ in range(layers)]
-        layout = KVCacheLayout(caches, kind, block_size=BLOCK_SIZE)
+        layout = KVCacheLayout(_caches(kind, sizes, device), kind, block_size=BLOCK_SIZE)
         flash = layout if kind is LayoutKind.FLASH_ATTN else flash
         zero_loads.append(
             (
@@ -278,8 +286,8 @@ def main() -> None:
     quick = args.quick or not cuda
     # A Llama-8B-like cache on GPU (32 layers, 8 KV heads, head_dim 128, bf16, block_size
     # 16; MLA: DeepSeek's 576-wide latent); a few layers and blocks on CPU.
-    layers, num_blocks, heads, head_dim = (4, 256, 8, 128) if quick else (32, 8192, 8, 128)
-    block_size, dtype, mla_dim = BLOCK_SIZE, torch.bfloat16, MLA_DIM
+    sizes = (4, 256, 8, 128) if quick else (32, 8192, 8, 128)
+    num_blocks = sizes[1]
     bench = Bench(device, reps=5 if quick else 50)
     backend = resolve_backend("auto", device)
     print(
@@ -292,7 +300,7 @@ def main() -> None:
                 "--sweep times the Triton kernels: it needs CUDA or TRITON_INTERPRET=1"
             )
         if cuda:
-            _sweep_all(bench, (layers, num_blocks, heads, head_dim), quick)
+            _sweep_all(bench, sizes, quick)
         else:  # the interpreter: a check that the sweep runs, on a toy cache
             _sweep_all(Bench(device, reps=1), (1, 8, 1, 16), quick=True)
         return
@@ -305,14 +313,7 @@ def main() -> None:
 
     ids = torch.randperm(num_blocks, device=device)[: num_blocks // 4]
     for kind in LayoutKind:
-        dim = mla_dim if kind is LayoutKind.MLA else head_dim
-        shape = _logical_shape(kind, num_blocks, block_size, heads, dim)
-        _layout_rows(
-            bench,
-            kind,
-            [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)],
-            ids,
-        )
+        _layout_rows(bench, kind, _caches(kind, sizes, device), ids)
         if cuda:
             torch.cuda.empty_cache()  # the caches are gone: room for the next layout
 

@@ -43,6 +43,11 @@ def int_view(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(INT_VIEW[tensor.element_size()])
 
 
+# Below this many words an item's fixed cost outweighs its padding: short runs take one
+# item, rounded up to a power of two.
+MIN_CHUNK = 256
+
+
 def chunk_words(inner: int, cap: int = 1024) -> int:
     """Words one work item handles: a power of two, at most ``cap``.
 
@@ -57,11 +62,6 @@ def chunk_words(inner: int, cap: int = 1024) -> int:
     while width > MIN_CHUNK and (-(-inner // width) * width - inner) * 8 > inner:
         width //= 2
     return width
-
-
-# Below this many words an item's fixed cost outweighs its padding: short runs take one
-# item, rounded up to a power of two.
-MIN_CHUNK = 256
 
 
 def triton_next_pow2(n: int) -> int:

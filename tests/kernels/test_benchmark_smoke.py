@@ -3,19 +3,17 @@ sweep run and print every row (in a subprocess, as a user runs them)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from ..helpers import run_benchmark
+from .cases import ON_GPU
 
 pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 
 def _run(*args: str, interpret: bool) -> str:
-    on_cpu = os.environ.get("KVGUARD_KERNEL_DEVICE", "cpu") == "cpu"
-    interpreter = "1" if interpret and on_cpu else None
+    interpreter = "1" if interpret and not ON_GPU else None
     return run_benchmark(
         "kernels.py", "--quick", *args, timeout=240, env={"TRITON_INTERPRET": interpreter}
     )
