@@ -123,6 +123,11 @@ class GuardedBlockPool(BlockPool):
         # request still has WRITTEN (its partial tail) instead of quarantining it.
         self.freeing_clean_request = False
         if not self.guard.enabled:
+            # Pass-through: vLLM's own methods, bound on the instance, so that vLLM's
+            # calls reach them directly -- a guard switched off costs no extra frame
+            # per call (the overrides below would each add one to reach super()).
+            for name in _VLLM_OVERRIDES:
+                setattr(self, name, getattr(BlockPool, name).__get__(self))
             return
         core = KvGuardPool(
             num_gpu_blocks,
@@ -486,3 +491,12 @@ class GuardedBlockPool(BlockPool):
         for block_id in (*self._publications, *self._deferred):
             state = self.blocks[block_id].state
             assert state is _WRITTEN, f"block {block_id} held for publication is {state.name}"
+
+
+_VLLM_OVERRIDES = tuple(
+    name
+    for name, value in vars(GuardedBlockPool).items()
+    if callable(value) and not name.startswith("__") and hasattr(BlockPool, name)
+)
+"""vLLM ``BlockPool`` methods the guarded pool overrides (each falls back to vLLM's in
+pass-through mode)."""

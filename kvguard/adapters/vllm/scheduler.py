@@ -94,6 +94,12 @@ class _GuardMixin:
         if guard.enabled:
             self._kvguard_setup_zeroing(self.kv_cache_config)
             self._kvguard_check_connector()
+        else:
+            # Pass-through: vLLM's own hooks, bound on the instance (as the pool does
+            # for its methods), so that a guard switched off adds no frame per call.
+            vllm_scheduler = super()
+            for name in _VLLM_HOOKS:
+                setattr(self, name, getattr(vllm_scheduler, name))
         self.kvguard_metrics = GuardMetrics()
         self.kvguard_metrics_label = register_prometheus(self) if guard.enabled else None
         self._kvguard_ledger = StepLedger()
@@ -366,6 +372,14 @@ class _GuardMixin:
         if stats is not None:
             out.update(stats())
         return out
+
+
+_VLLM_HOOKS = tuple(
+    name
+    for name, value in vars(_GuardMixin).items()
+    if callable(value) and not name.startswith("__") and hasattr(Scheduler, name)
+)
+"""vLLM ``Scheduler`` methods the guard overrides (vLLM's own in pass-through mode)."""
 
 
 class GuardedScheduler(_GuardMixin, Scheduler):
