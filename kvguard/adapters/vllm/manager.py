@@ -16,10 +16,18 @@ from kvguard.adapters.vllm._compat import require_supported_vllm
 require_supported_vllm()
 
 from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
-from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager  # noqa: E402
+from vllm.v1.core.single_type_kv_cache_manager import (  # noqa: E402
+    FullAttentionManager,
+    SlidingWindowManager,
+)
 
 from .block_pool import GuardedBlockPool, GuardModeUnsupported  # noqa: E402
 from .config import GuardConfig  # noqa: E402
+
+
+GUARDED_MANAGERS = (FullAttentionManager, SlidingWindowManager)
+"""vLLM's single-type managers guarded mode supports, by exact type (subclasses such
+as R-SWA or circular-buffer managers free and reuse blocks in ways not covered)."""
 
 
 def install_guarded_pool(manager: Any, guard: GuardConfig) -> GuardedBlockPool:
@@ -34,12 +42,12 @@ def install_guarded_pool(manager: Any, guard: GuardConfig) -> GuardedBlockPool:
     coordinator = manager.coordinator
     managers = coordinator.single_type_managers
     if guard.enabled:
-        unsupported = [type(m).__name__ for m in managers if type(m) is not FullAttentionManager]
+        unsupported = [type(m).__name__ for m in managers if type(m) not in GUARDED_MANAGERS]
         if unsupported:
             raise GuardModeUnsupported(
-                f"kvguard's guarded pool supports full-attention KV cache groups only; "
-                f"this model also has {sorted(set(unsupported))}. Set KVGUARD_GUARD=0 "
-                "(pass-through) for it."
+                f"kvguard's guarded pool supports full-attention and sliding-window KV "
+                f"cache groups only; this model also has {sorted(set(unsupported))}. Set "
+                "KVGUARD_GUARD=0 (pass-through) for it."
             )
         if coordinator.enable_partial_hash_hits:
             raise GuardModeUnsupported(

@@ -41,6 +41,7 @@ import vllm.envs as envs  # noqa: E402
 from vllm.logger import init_logger  # noqa: E402
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager  # noqa: E402
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
@@ -94,6 +95,9 @@ class _GuardMixin:
         if guard.enabled:
             self._kvguard_setup_zeroing(self.kv_cache_config)
             self._kvguard_check_connector()
+            managers = self.kv_cache_manager.coordinator.single_type_managers
+            if any(type(m) is not FullAttentionManager for m in managers):
+                self._kvguard_guard_window_frees()
         else:
             # Pass-through: vLLM's own hooks, bound on the instance (as the pool does
             # for its methods), so that a guard switched off adds no frame per call.
@@ -147,6 +151,50 @@ class _GuardMixin:
                 "(kv_connector_module_path='kvguard.adapters.vllm.offloading'), or start "
                 "vLLM with KVGUARD_GUARD=1, which selects it for you."
             )
+
+    def _kvguard_guard_window_frees(self) -> None:
+        """Sliding-window groups free the blocks that left a running request's window
+        (vLLM's ``remove_skipped_blocks``). vLLM frees only blocks below the request's
+        *processed* tokens, so every step that wrote them has reported: they are
+        validated as they are freed -- not quarantined and zeroed -- unless the
+        request's last reported step is not known clean, or it holds connector-loaded
+        KV no step vouched for yet."""
+        coordinator = self.kv_cache_manager.coordinator
+        remove_skipped = coordinator.remove_skipped_blocks
+        pool = self.kvguard_pool
+
+        def remove_skipped_blocks(
+            request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
+        ) -> None:
+            carried = self._kvguard_carry.get(request_id)
+            pool.freeing_clean_request = not carried and self._kvguard_reported_clean(request_id)
+            try:
+                remove_skipped(request_id, processed_computed_tokens, num_prompt_tokens)
+            finally:
+                pool.freeing_clean_request = False
+            if carried:
+                # Loaded blocks the window dropped (quarantined above) are no longer
+                # the request's to vouch for.
+                held = {b.block_id for group in coordinator.get_blocks(request_id) for b in group}
+                kept = [b for b in carried if b in held]
+                for block_id in carried:
+                    if block_id not in held:
+                        self._kvguard_carry_publications.pop(block_id, None)
+                if kept:
+                    self._kvguard_carry[request_id] = kept
+                else:
+                    del self._kvguard_carry[request_id]
+
+        coordinator.remove_skipped_blocks = remove_skipped_blocks
+
+    def _kvguard_reported_clean(self, request_id: str) -> bool:
+        """Whether every step of the request that reported back was counted clean."""
+        request = self.requests.get(request_id)
+        if request is not None and request.is_finished():
+            # Settled on its way out (a connector's request_finished frees its window
+            # first): clean only with no step in flight -- the safe side.
+            return request_id in self._kvguard_clean
+        return request_id not in self._kvguard_unchecked and request_id not in self._kvguard_failing
 
     # ------------------------------------------------------------------ schedule
 
