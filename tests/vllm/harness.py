@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -19,9 +19,11 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    SlidingWindowSpec,
 )
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
@@ -46,6 +48,7 @@ def make_vllm_config(
     kvguard: Mapping[str, Any] | None = None,
     kv_transfer_config: Any = None,
     speculative_config: Any = None,
+    prefix_caching: bool = True,
 ) -> VllmConfig:
     sched_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -56,7 +59,7 @@ def make_vllm_config(
         is_encoder_decoder=False,
     )
     model_config = ModelConfig(model=_MODEL_DIR, skip_tokenizer_init=True, dtype="float16", seed=42)
-    cache_config = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
+    cache_config = CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching)
     cache_config.num_gpu_blocks = num_blocks
     additional = {"kvguard": dict(kvguard or {"check_invariants": True})}
     return VllmConfig(
@@ -79,7 +82,13 @@ def make_scheduler(
     kvguard: Mapping[str, Any] | None = None,
     kv_transfer_config: Any = None,
     speculative_config: Any = None,
+    prefix_caching: bool = True,
+    groups: Sequence[str] = ("full",),
+    window: int = 3 * BLOCK,
 ) -> Any:
+    """A real scheduler; ``groups`` names its KV cache groups' kinds in order:
+    ``"full"`` (full attention), ``"sliding"`` (a ``window``-token sliding window) or
+    ``"chunked"`` (``window``-token chunked local attention)."""
     vllm_config = make_vllm_config(
         async_scheduling=async_scheduling,
         num_blocks=num_blocks,
@@ -88,17 +97,14 @@ def make_scheduler(
         kvguard=kvguard,
         kv_transfer_config=kv_transfer_config,
         speculative_config=speculative_config,
+        prefix_caching=prefix_caching,
     )
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
         kv_cache_groups=[
-            KVCacheGroupSpec(
-                ["layer"],
-                FullAttentionSpec(
-                    block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32
-                ),
-            )
+            KVCacheGroupSpec([f"layer{i}"], _kv_cache_spec(kind, window))
+            for i, kind in enumerate(groups)
         ],
     )
     if guarded:
@@ -112,6 +118,22 @@ def make_scheduler(
         block_size=BLOCK,
         log_stats=True,
     )
+
+
+def _kv_cache_spec(kind: str, window: int) -> Any:
+    shape: dict[str, Any] = {
+        "block_size": BLOCK,
+        "num_kv_heads": 1,
+        "head_size": 1,
+        "dtype": torch.float32,
+    }
+    if kind == "full":
+        return FullAttentionSpec(**shape)
+    if kind == "sliding":
+        return SlidingWindowSpec(**shape, sliding_window=window)
+    if kind == "chunked":
+        return ChunkedLocalAttentionSpec(**shape, attention_chunk_size=window)
+    raise ValueError(f"unknown KV cache group kind {kind!r}")
 
 
 def make_request(request_id: str, prompt: list[int], max_tokens: int = 4) -> Request:

@@ -1,0 +1,247 @@
+"""Guarded mode on sliding-window KV cache groups, alone and beside full attention.
+
+vLLM frees the blocks that left a running request's window (``remove_skipped_blocks``,
+below its processed tokens). Every step that wrote them reported back, so after clean
+steps they are freed validated -- cached ones stay hits, none is quarantined or zeroed
+-- while a request whose last step is not known clean has them quarantined.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm")
+
+from kvguard import BlockState  # noqa: E402
+from kvguard.adapters.vllm.block_pool import GuardModeUnsupported  # noqa: E402
+
+from .harness import (  # noqa: E402
+    BLOCK,
+    finish_reasons,
+    hit_tokens,
+    make_request,
+    make_scheduler,
+    model_output,
+    step,
+)
+
+WINDOWED = [("sliding",), ("full", "sliding")]
+PROMPT = list(range(3000, 3000 + 5 * BLOCK + 3))
+NULL = 0  # vLLM's null block: what a block table holds where the window freed a block
+
+
+def _tables(s: Any, req_id: str) -> tuple[list[int], ...]:
+    return tuple(s.kv_cache_manager.get_block_ids(req_id))
+
+
+def _windowed_table(s: Any, req_id: str) -> list[int]:
+    """The sliding-window group's block table (the last group in these tests)."""
+    return _tables(s, req_id)[-1]
+
+
+def _count(s: Any, state: BlockState) -> int:
+    return int(s.kvguard_pool.core.stats().blocks_by_state[state])
+
+
+def _window_freed(s: Any, req_id: str, before: list[int]) -> list[int]:
+    table = _windowed_table(s, req_id)
+    return [old for old, now in zip(before, table, strict=False) if now == NULL != old]
+
+
+@pytest.mark.parametrize("groups", WINDOWED)
+def test_blocks_the_window_frees_after_clean_steps_stay_hits_unquarantined(
+    groups: tuple[str, ...],
+) -> None:
+    s = make_scheduler(groups=groups)
+    s.add_request(make_request("a", PROMPT, max_tokens=30))
+    step(s)  # the prompt in one step: 5 full blocks (validated, published) and a tail
+    before = list(_windowed_table(s, "a"))
+    assert NULL not in before
+    for _ in range(6):
+        step(s)
+        s.kvguard_pool.check_consistency()
+    freed = _window_freed(s, "a", before)
+    assert len(freed) >= 2, "the window did not move past the prompt's first blocks"
+    core = s.kvguard_pool.core
+    for block_id in freed:
+        info = core.block_info(block_id)
+        assert info.state is BlockState.PUBLISHED and info.ref_cnt == 0
+    assert _count(s, BlockState.QUARANTINED) == 0
+    assert s.kvguard_stats()["blocks_quarantined"] == 0
+    # The prompt, published at its step's validation, serves a newcomer.
+    s.add_request(make_request("b", PROMPT, max_tokens=2))
+    so = s.schedule()
+    assert hit_tokens(so) == {"b": 5 * BLOCK}
+    assert not so.new_block_ids_to_zero
+    s.update_from_output(so, model_output(s, so))
+    s.kvguard_pool.check_consistency()
+
+
+@pytest.mark.parametrize("groups", WINDOWED)
+def test_nan_after_the_window_slid_aborts_and_keeps_the_validated_prefix(
+    groups: tuple[str, ...],
+) -> None:
+    s = make_scheduler(groups=groups)
+    s.add_request(make_request("a", PROMPT, max_tokens=30))
+    s.add_request(make_request("bystander", list(range(8000, 8040)), max_tokens=30))
+    for _ in range(5):
+        step(s)
+    assert NULL in _windowed_table(s, "a")
+    _, out = step(s, {"a": 3})
+    assert finish_reasons(out) == {"a": "error"}
+    assert "bystander" in s.requests
+    # Only the partial tail (one per group) was unvalidated.
+    assert _count(s, BlockState.QUARANTINED) == len(groups)
+    s.kvguard_pool.check_consistency()
+    s.add_request(make_request("a-retry", PROMPT, max_tokens=2))
+    so = s.schedule()
+    assert hit_tokens(so) == {"a-retry": 5 * BLOCK}
+    s.update_from_output(so, model_output(s, so))
+    s.kvguard_pool.check_consistency()
+
+
+def test_async_race_on_a_hybrid_model() -> None:
+    """b, admitted the step after a's prefill was scheduled, must not hit a's blocks
+    before a's output validated; a's prefill fails, and c hits b's copy instead."""
+    s = make_scheduler(
+        groups=("full", "sliding"), async_scheduling=True, max_num_batched_tokens=8 * BLOCK
+    )
+    s.add_request(make_request("a", PROMPT))
+    so1 = s.schedule()
+    s.add_request(make_request("b", PROMPT))
+    so2 = s.schedule()
+    assert hit_tokens(so2) == {"b": 0}
+    out = s.update_from_output(so1, model_output(s, so1, {"a": 1}))
+    assert finish_reasons(out) == {"a": "error"}
+    s.update_from_output(so2, model_output(s, so2))
+    s.add_request(make_request("c", PROMPT))
+    so3 = s.schedule()
+    assert hit_tokens(so3) == {"c": 5 * BLOCK}
+    for c_table, b_table in zip(_tables(s, "c"), _tables(s, "b"), strict=True):
+        hit = [b for b in c_table[:5] if b != NULL]
+        assert hit and hit == [b for b in b_table[:5] if b != NULL][-len(hit) :]
+    s.kvguard_pool.check_consistency()
+
+
+def test_window_frees_after_an_unchecked_step_are_quarantined() -> None:
+    """A step whose NaN count is missing vouches for nothing: the blocks it filled that
+    the window frees before a counted step are quarantined and leave the request's
+    carry; the ones still held are validated by its next counted step."""
+    s = make_scheduler(groups=("sliding",), max_num_batched_tokens=8 * BLOCK)
+    long_prompt = list(range(4000, 4000 + 7 * BLOCK + 3))
+    s.add_request(make_request("a", long_prompt, max_tokens=10))
+    so = s.schedule()
+    output = model_output(s, so)
+    del output.num_nans_in_logits["a"]
+    s.update_from_output(so, output)  # a's prefill: not counted
+    assert s.kvguard_stats()["steps_unchecked"] == 1
+    prompt_table = list(_windowed_table(s, "a"))
+    step(s)  # a's first decode: the window frees blocks the unchecked step filled
+    freed = _window_freed(s, "a", prompt_table)
+    held = [b for b in _windowed_table(s, "a")[:7] if b != NULL]
+    assert freed and held
+    core = s.kvguard_pool.core
+    assert all(core.block_state(b) is BlockState.QUARANTINED for b in freed)
+    # That decode step was counted clean: it vouched for the blocks still held.
+    assert all(core.block_state(b) is BlockState.PUBLISHED for b in held)
+    s.kvguard_pool.check_consistency()
+    s.add_request(make_request("b", long_prompt, max_tokens=2))
+    so = s.schedule()
+    assert hit_tokens(so) == {"b": 7 * BLOCK}  # a window's worth of validated blocks
+    assert sorted(so.new_block_ids_to_zero or []) == sorted(
+        set(so.new_block_ids_to_zero or []) & set(freed)
+    )
+    s.update_from_output(so, model_output(s, so))
+    s.kvguard_pool.check_consistency()
+
+
+@pytest.mark.parametrize("groups", WINDOWED)
+def test_without_prefix_caching_window_frees_after_clean_steps_are_plain_frees(
+    groups: tuple[str, ...],
+) -> None:
+    """No block is ever published: every block the window frees is still WRITTEN, and
+    is validated as it goes -- freed plainly (and reused at once), never quarantined or
+    zeroed."""
+    s = make_scheduler(groups=groups, prefix_caching=False)
+    s.add_request(make_request("a", PROMPT, max_tokens=30))
+    step(s)
+    before = list(_windowed_table(s, "a"))
+    core = s.kvguard_pool.core
+    assert all(core.block_state(b) is BlockState.WRITTEN for b in before)
+    for _ in range(4):
+        so, _ = step(s)
+        assert not so.new_block_ids_to_zero
+    assert len(_window_freed(s, "a", before)) >= 2
+    assert s.kvguard_stats()["blocks_quarantined"] == 0
+    s.kvguard_pool.check_consistency()
+
+
+def test_without_prefix_caching_window_frees_after_an_unchecked_step_are_quarantined() -> None:
+    s = make_scheduler(groups=("sliding",), prefix_caching=False)
+    s.add_request(make_request("a", PROMPT, max_tokens=30))
+    step(s)
+    for _ in range(2):
+        step(s)
+    before = list(_windowed_table(s, "a"))
+    freed: list[int] = []
+    while not freed:  # decode steps whose NaN counts are missing, until the window
+        so = s.schedule()  # frees a block: then a's last step is not known clean
+        freed = _window_freed(s, "a", before)
+        output = model_output(s, so)
+        del output.num_nans_in_logits["a"]
+        s.update_from_output(so, output)
+    assert s.kvguard_stats()["blocks_quarantined"] == len(freed)
+    # Quarantined blocks are reused first, zeroed before the step that writes them.
+    so, _ = step(s)
+    assert so.new_block_ids_to_zero and set(so.new_block_ids_to_zero) <= set(freed)
+    s.kvguard_pool.check_consistency()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("groups", WINDOWED)
+def test_clean_trace_same_decisions_as_stock_vllm(
+    groups: tuple[str, ...], async_scheduling: bool
+) -> None:
+    rng = random.Random(11)
+    shared = list(range(9000, 9000 + 2 * BLOCK))
+    arrivals = {}
+    for i in range(10):
+        suffix = [rng.randrange(50_000) for _ in range(rng.randrange(1, 4 * BLOCK))]
+        arrivals[4 * i] = (f"r{i}", shared + suffix, rng.randrange(10, 40))
+    runs: list[list[object]] = []
+    for guarded in (False, True):
+        s = make_scheduler(
+            guarded=guarded, groups=groups, async_scheduling=async_scheduling, num_blocks=48
+        )
+        trace: list[object] = []
+        pending = []
+        for t in range(90):
+            if t in arrivals:
+                rid, prompt, max_tokens = arrivals[t]
+                s.add_request(make_request(rid, prompt, max_tokens))
+            so = s.schedule()
+            pending.append(so)
+            trace.append(
+                (dict(so.num_scheduled_tokens), hit_tokens(so), sorted(so.preempted_req_ids))
+            )
+            if not async_scheduling or len(pending) == 2:
+                done = pending.pop(0)
+                out = s.update_from_output(done, model_output(s, done))
+                trace.append(finish_reasons(out))
+        if guarded:
+            assert s.kvguard_stats()["blocks_quarantined"] == 0
+            assert s.kvguard_stats()["blocks_zeroed"] == 0
+            s.kvguard_pool.check_consistency()
+        runs.append(trace)
+    assert runs[0] == runs[1]
+    assert any(h for entry in runs[0] if isinstance(entry, tuple) for h in entry[1].values())
+
+
+def test_guard_refuses_chunked_local_attention() -> None:
+    with pytest.raises(GuardModeUnsupported, match="ChunkedLocalAttentionManager"):
+        make_scheduler(groups=("full", "chunked"))
+    make_scheduler(groups=("full", "chunked"), kvguard={"enabled": False})
