@@ -245,3 +245,41 @@ def test_guard_refuses_chunked_local_attention() -> None:
     with pytest.raises(GuardModeUnsupported, match="ChunkedLocalAttentionManager"):
         make_scheduler(groups=("full", "chunked"))
     make_scheduler(groups=("full", "chunked"), kvguard={"enabled": False})
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_hybrid_model_with_the_guarded_offloading_connector(fail: bool) -> None:
+    """Stores cover validated blocks only, and the window frees that vLLM makes before
+    handing a finished request to the connector quarantine nothing after clean steps."""
+    from .test_offloading import STORABLE, output, store_blocks, transfer_config
+
+    s = make_scheduler(groups=("full", "sliding"), kv_transfer_config=transfer_config())
+    s.add_request(make_request("a", PROMPT, max_tokens=12))
+    core = s.kvguard_pool.core
+    completed: list[int] = []
+    reasons: dict[str, str] = {}
+    for t in range(20):
+        so = s.schedule()
+        for blocks in store_blocks(so).values():
+            assert all(core.block_state(b) in STORABLE for b in blocks)
+        nans = {"a": 1} if fail and t == 8 else None
+        out = s.update_from_output(so, output(s, so, nans, completed=completed))
+        completed = list(store_blocks(so))
+        reasons.update(finish_reasons(out))
+        s.kvguard_pool.check_consistency()
+    assert reasons == {"a": "error" if fail else "length"}
+    stats = s.kvguard_stats()
+    assert stats["offload_chunks_stored"] > 0
+    assert stats["blocks_quarantined"] == (2 if fail else 0)  # a's partial tails
+
+
+def test_a_window_free_of_blocks_a_step_in_flight_fills_is_caught() -> None:
+    """vLLM frees below the processed tokens only; with check_invariants on, a window
+    free of a block whose filling step is still in flight (whose output would then
+    validate a freed block) is an error."""
+    s = make_scheduler(groups=("sliding",), async_scheduling=True, max_num_batched_tokens=BLOCK)
+    s.add_request(make_request("a", PROMPT))
+    s.schedule()
+    s.schedule()  # two prefill chunks in flight, each filling a block
+    with pytest.raises(AssertionError, match="a step in flight fills"):
+        s.kv_cache_manager.coordinator.remove_skipped_blocks("a", len(PROMPT))

@@ -69,6 +69,11 @@ class StepLedger:
                 return True
         return False
 
+    def fills_in_flight(self, request_id: str) -> Iterator[int]:
+        """Blocks the request's still-in-flight steps fill (read-only)."""
+        for record in self._steps:
+            yield from record.fills.get(request_id, ())
+
     def later_fills(self, request_id: str) -> Iterator[int]:
         """Blocks the request's still-in-flight steps fill, removing them (its abort)."""
         for record in self._steps:

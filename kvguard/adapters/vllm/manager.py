@@ -24,7 +24,6 @@ from vllm.v1.core.single_type_kv_cache_manager import (  # noqa: E402
 from .block_pool import GuardedBlockPool, GuardModeUnsupported  # noqa: E402
 from .config import GuardConfig  # noqa: E402
 
-
 GUARDED_MANAGERS = (FullAttentionManager, SlidingWindowManager)
 """vLLM's single-type managers guarded mode supports, by exact type (subclasses such
 as R-SWA or circular-buffer managers free and reuse blocks in ways not covered)."""

@@ -162,6 +162,10 @@ class _GuardMixin:
         coordinator = self.kv_cache_manager.coordinator
         remove_skipped = coordinator.remove_skipped_blocks
         pool = self.kvguard_pool
+        checking = pool.guard.check_invariants
+
+        def held(request_id: str) -> set[int]:
+            return {b.block_id for group in coordinator.get_blocks(request_id) for b in group}
 
         def remove_skipped_blocks(
             request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
@@ -172,13 +176,21 @@ class _GuardMixin:
                 remove_skipped(request_id, processed_computed_tokens, num_prompt_tokens)
             finally:
                 pool.freeing_clean_request = False
+            if checking:
+                # vLLM's contract (processed tokens only) keeps the window off blocks a
+                # step in flight fills: its output would validate a freed block.
+                kept_ids = held(request_id)
+                stray = [
+                    b for b in self._kvguard_ledger.fills_in_flight(request_id) if b not in kept_ids
+                ]
+                assert not stray, f"the window freed blocks {stray} that a step in flight fills"
             if carried:
                 # Loaded blocks the window dropped (quarantined above) are no longer
                 # the request's to vouch for.
-                held = {b.block_id for group in coordinator.get_blocks(request_id) for b in group}
-                kept = [b for b in carried if b in held]
+                held_ids = held(request_id)
+                kept = [b for b in carried if b in held_ids]
                 for block_id in carried:
-                    if block_id not in held:
+                    if block_id not in held_ids:
                         self._kvguard_carry_publications.pop(block_id, None)
                 if kept:
                     self._kvguard_carry[request_id] = kept
