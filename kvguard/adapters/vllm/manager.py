@@ -73,7 +73,12 @@ def install_guarded_pool(manager: Any, guard: GuardConfig) -> GuardedBlockPool:
 
 def build_kv_cache_manager(*, guard: GuardConfig | None = None, **kwargs: Any) -> Any:
     """``KVCacheManager(**kwargs)`` running on kvguard's pool (``guard`` defaults to
-    the environment's settings, see :mod:`kvguard.adapters.vllm.config`)."""
+    the environment's settings, see :mod:`kvguard.adapters.vllm.config`).
+
+    With a sliding-window group, the blocks vLLM frees as the window moves are
+    released without knowing whether their steps passed (the guarded schedulers know):
+    unvalidated ones are quarantined, and must not be named in a later
+    ``validate_step``."""
     manager = KVCacheManager(**kwargs)
     install_guarded_pool(manager, guard if guard is not None else GuardConfig.from_env())
     return manager
