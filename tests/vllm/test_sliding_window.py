@@ -58,7 +58,7 @@ def test_blocks_the_window_frees_after_clean_steps_stay_hits_unquarantined(
 ) -> None:
     s = make_scheduler(groups=groups)
     s.add_request(make_request("a", PROMPT, max_tokens=30))
-    step(s)  # the prompt in one step: 5 full blocks (validated, published) and a tail
+    step(s)  # the first prefill chunk: 4 full blocks, validated and published
     before = list(_windowed_table(s, "a"))
     assert NULL not in before
     for _ in range(6):
@@ -121,6 +121,7 @@ def test_async_race_on_a_hybrid_model() -> None:
     s.add_request(make_request("c", PROMPT))
     so3 = s.schedule()
     assert hit_tokens(so3) == {"c": 5 * BLOCK}
+    # In every group c's hit blocks are b's (a sliding group hits the window's tail).
     for c_table, b_table in zip(_tables(s, "c"), _tables(s, "b"), strict=True):
         hit = [b for b in c_table[:5] if b != NULL]
         assert hit and hit == [b for b in b_table[:5] if b != NULL][-len(hit) :]
@@ -152,9 +153,7 @@ def test_window_frees_after_an_unchecked_step_are_quarantined() -> None:
     s.add_request(make_request("b", long_prompt, max_tokens=2))
     so = s.schedule()
     assert hit_tokens(so) == {"b": 7 * BLOCK}  # a window's worth of validated blocks
-    assert sorted(so.new_block_ids_to_zero or []) == sorted(
-        set(so.new_block_ids_to_zero or []) & set(freed)
-    )
+    assert set(so.new_block_ids_to_zero or []) <= set(freed)  # only quarantined ones
     s.update_from_output(so, model_output(s, so))
     s.kvguard_pool.check_consistency()
 
