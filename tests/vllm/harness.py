@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -186,3 +186,37 @@ def finish_reasons(outputs: dict[int, Any]) -> dict[str, str]:
 def hit_tokens(scheduler_output: Any) -> dict[str, int]:
     """Prefix-cache hit (num_computed_tokens at admission) of newly scheduled requests."""
     return {n.req_id: n.num_computed_tokens for n in scheduler_output.scheduled_new_reqs}
+
+
+Arrivals = Mapping[int, tuple[str, list[int], int]]
+"""Step -> (request id, prompt, max tokens) of the request added before that step."""
+
+
+def decision_trace(
+    scheduler: Any,
+    arrivals: Arrivals,
+    steps: int,
+    *,
+    async_scheduling: bool = False,
+    nans: Callable[[int, Any], Mapping[str, int]] | None = None,
+) -> list[object]:
+    """Drive ``scheduler`` through ``steps`` steps (one output in flight under async
+    scheduling) and record its decisions: per step, the tokens scheduled, the prefix
+    hits of new requests and the preempted requests; per output, the finish reasons.
+    ``nans(step, scheduler_output)`` gives the NaN counts of the output processed at
+    ``step``."""
+    trace: list[object] = []
+    pending = []
+    for t in range(steps):
+        if t in arrivals:
+            rid, prompt, max_tokens = arrivals[t]
+            scheduler.add_request(make_request(rid, prompt, max_tokens))
+        so = scheduler.schedule()
+        pending.append(so)
+        trace.append((dict(so.num_scheduled_tokens), hit_tokens(so), sorted(so.preempted_req_ids)))
+        if not async_scheduling or len(pending) == 2:
+            done = pending.pop(0)
+            counts = nans(t, done) if nans is not None else None
+            out = scheduler.update_from_output(done, model_output(scheduler, done, counts))
+            trace.append(finish_reasons(out))
+    return trace

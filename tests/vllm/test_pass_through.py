@@ -24,11 +24,8 @@ from kvguard.adapters.vllm.config import GuardConfig  # noqa: E402
 
 from .harness import (  # noqa: E402
     BLOCK,
-    finish_reasons,
-    hit_tokens,
-    make_request,
+    decision_trace,
     make_scheduler,
-    model_output,
 )
 
 # Spelled out, not read from the adapter: a method that gains an override must be
@@ -100,22 +97,13 @@ def test_pass_through_decides_as_stock_vllm_with_nans(async_scheduling: bool) ->
             num_blocks=12,
             kvguard={"enabled": kind == "guarded"},
         )
-        trace: list[object] = []
-        pending = []
-        for t in range(60):
-            if t in arrivals:
-                rid, prompt, max_tokens = arrivals[t]
-                s.add_request(make_request(rid, prompt, max_tokens))
-            so = s.schedule()
-            pending.append(so)
-            trace.append(
-                (dict(so.num_scheduled_tokens), hit_tokens(so), sorted(so.preempted_req_ids))
-            )
-            if not async_scheduling or len(pending) == 2:
-                done = pending.pop(0)
-                nans = {"r2": 1} if t >= 3 and "r2" in done.num_scheduled_tokens else {}
-                out = s.update_from_output(done, model_output(s, done, nans))
-                trace.append(finish_reasons(out))
+        trace = decision_trace(
+            s,
+            arrivals,
+            60,
+            async_scheduling=async_scheduling,
+            nans=lambda t, done: {"r2": 1} if t >= 3 and "r2" in done.num_scheduled_tokens else {},
+        )
         runs.append(trace)
     stock, pass_through, guarded = runs
     assert pass_through == stock

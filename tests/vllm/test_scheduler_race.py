@@ -16,7 +16,7 @@ from kvguard import BlockState  # noqa: E402
 
 from .harness import (  # noqa: E402
     BLOCK,
-    finish_reasons,
+    decision_trace,
     hit_tokens,
     make_request,
     make_scheduler,
@@ -136,21 +136,7 @@ def test_clean_trace_same_decisions_as_stock_vllm(async_scheduling: bool) -> Non
     runs: list[list[object]] = []
     for guarded in (False, True):
         s = make_scheduler(guarded=guarded, async_scheduling=async_scheduling, num_blocks=40)
-        trace: list[object] = []
-        pending = []
-        for t in range(80):
-            if t in arrivals:
-                rid, prompt, max_tokens = arrivals[t]
-                s.add_request(make_request(rid, prompt, max_tokens))
-            so = s.schedule()
-            pending.append(so)
-            trace.append(
-                (dict(so.num_scheduled_tokens), hit_tokens(so), sorted(so.preempted_req_ids))
-            )
-            if not async_scheduling or len(pending) == 2:
-                done = pending.pop(0)
-                out = s.update_from_output(done, model_output(s, done))
-                trace.append(finish_reasons(out))
+        trace = decision_trace(s, arrivals, 80, async_scheduling=async_scheduling)
         runs.append(trace)
     assert runs[0] == runs[1]
     assert any(h for entry in runs[0] if isinstance(entry, tuple) for h in entry[1].values())

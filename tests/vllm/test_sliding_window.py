@@ -21,6 +21,7 @@ from kvguard.adapters.vllm.block_pool import GuardModeUnsupported  # noqa: E402
 
 from .harness import (  # noqa: E402
     BLOCK,
+    decision_trace,
     finish_reasons,
     hit_tokens,
     make_request,
@@ -216,21 +217,7 @@ def test_clean_trace_same_decisions_as_stock_vllm(
         s = make_scheduler(
             guarded=guarded, groups=groups, async_scheduling=async_scheduling, num_blocks=48
         )
-        trace: list[object] = []
-        pending = []
-        for t in range(90):
-            if t in arrivals:
-                rid, prompt, max_tokens = arrivals[t]
-                s.add_request(make_request(rid, prompt, max_tokens))
-            so = s.schedule()
-            pending.append(so)
-            trace.append(
-                (dict(so.num_scheduled_tokens), hit_tokens(so), sorted(so.preempted_req_ids))
-            )
-            if not async_scheduling or len(pending) == 2:
-                done = pending.pop(0)
-                out = s.update_from_output(done, model_output(s, done))
-                trace.append(finish_reasons(out))
+        trace = decision_trace(s, arrivals, 90, async_scheduling=async_scheduling)
         if guarded:
             assert s.kvguard_stats()["blocks_quarantined"] == 0
             assert s.kvguard_stats()["blocks_zeroed"] == 0
