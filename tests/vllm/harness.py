@@ -23,6 +23,7 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    RSWASpec,
     SlidingWindowSpec,
 )
 from vllm.v1.outputs import ModelRunnerOutput
@@ -87,8 +88,9 @@ def make_scheduler(
     window: int = 3 * BLOCK,
 ) -> Any:
     """A real scheduler; ``groups`` names its KV cache groups' kinds in order:
-    ``"full"`` (full attention), ``"sliding"`` (a ``window``-token sliding window) or
-    ``"chunked"`` (``window``-token chunked local attention)."""
+    ``"full"`` (full attention), ``"sliding"`` (a ``window``-token sliding window),
+    ``"chunked"`` (``window``-token chunked local attention) or ``"rswa"`` (R-SWA: the
+    prompt and the last ``window`` generated tokens)."""
     vllm_config = make_vllm_config(
         async_scheduling=async_scheduling,
         num_blocks=num_blocks,
@@ -133,6 +135,8 @@ def _kv_cache_spec(kind: str, window: int) -> Any:
         return SlidingWindowSpec(**shape, sliding_window=window)
     if kind == "chunked":
         return ChunkedLocalAttentionSpec(**shape, attention_chunk_size=window)
+    if kind == "rswa":
+        return RSWASpec(**shape, rswa_window=window)
     raise ValueError(f"unknown KV cache group kind {kind!r}")
 
 

@@ -30,7 +30,7 @@ from .harness import (  # noqa: E402
     step,
 )
 
-WINDOWED = [("sliding",), ("full", "sliding")]
+WINDOWED = [("sliding",), ("full", "sliding"), ("chunked",), ("full", "chunked")]
 PROMPT = list(range(3000, 3000 + 5 * BLOCK + 3))
 NULL = 0  # vLLM's null block: what a block table holds where the window freed a block
 
@@ -59,10 +59,12 @@ def test_blocks_the_window_frees_after_clean_steps_stay_hits_unquarantined(
 ) -> None:
     s = make_scheduler(groups=groups)
     s.add_request(make_request("a", PROMPT, max_tokens=30))
-    step(s)  # the first prefill chunk: 4 full blocks, validated and published
+    # The first prefill chunk: 4 full blocks, validated and published (a chunked-local
+    # group alone skips the prompt's first local chunk instead: 2 full blocks).
+    step(s)
     before = list(_windowed_table(s, "a"))
-    assert NULL not in before
-    for _ in range(6):
+    assert before.count(NULL) == (3 if groups == ("chunked",) else 0)
+    for _ in range(14):  # past token 96: the second local chunk's end
         step(s)
         s.kvguard_pool.check_consistency()
     freed = _window_freed(s, "a", before)
@@ -227,19 +229,20 @@ def test_clean_trace_same_decisions_as_stock_vllm(
     assert any(h for entry in runs[0] if isinstance(entry, tuple) for h in entry[1].values())
 
 
-def test_guard_refuses_chunked_local_attention() -> None:
-    with pytest.raises(GuardModeUnsupported, match="ChunkedLocalAttentionManager"):
-        make_scheduler(groups=("full", "chunked"))
-    make_scheduler(groups=("full", "chunked"), kvguard={"enabled": False})
+def test_guard_refuses_r_swa() -> None:
+    with pytest.raises(GuardModeUnsupported, match="RSWAManager"):
+        make_scheduler(groups=("full", "rswa"))
+    make_scheduler(groups=("full", "rswa"), kvguard={"enabled": False})
 
 
+@pytest.mark.parametrize("windowed", ["sliding", "chunked"])
 @pytest.mark.parametrize("fail", [False, True])
-def test_hybrid_model_with_the_guarded_offloading_connector(fail: bool) -> None:
+def test_hybrid_model_with_the_guarded_offloading_connector(fail: bool, windowed: str) -> None:
     """Stores cover validated blocks only, and the window frees that vLLM makes before
     handing a finished request to the connector quarantine nothing after clean steps."""
     from .test_offloading import STORABLE, output, store_blocks, transfer_config
 
-    s = make_scheduler(groups=("full", "sliding"), kv_transfer_config=transfer_config())
+    s = make_scheduler(groups=("full", windowed), kv_transfer_config=transfer_config())
     s.add_request(make_request("a", PROMPT, max_tokens=12))
     core = s.kvguard_pool.core
     completed: list[int] = []
@@ -269,3 +272,78 @@ def test_a_window_free_of_blocks_a_step_in_flight_fills_is_caught() -> None:
     s.schedule()  # two prefill chunks in flight, each filling a block
     with pytest.raises(AssertionError, match="a step in flight fills"):
         s.kv_cache_manager.coordinator.remove_skipped_blocks("a", len(PROMPT))
+
+
+LOCAL = [("chunked",), ("full", "chunked")]
+SHORT = list(range(6000, 6040))  # 2.5 blocks: decoding reaches the local chunk's end
+
+
+def _drive_async(
+    s: Any, steps: int, uncounted_at: int | None = None
+) -> tuple[list[tuple[int, int]], dict[str, str]]:
+    """Async steps of request "a" (one output in flight). Returns the blocks each
+    schedule's local-chunk free took while the step that cached them was in flight,
+    as (step, block id), and the finish reasons. The output processed at step
+    ``uncounted_at`` carries no NaN count for "a"."""
+    ledger = s._kvguard_ledger
+    caught: list[tuple[int, int]] = []
+    reasons: dict[str, str] = {}
+    pending = []
+    for t in range(steps):
+        running = "a" in s.requests
+        in_flight = set(ledger.fills_in_flight("a"))
+        before = list(_windowed_table(s, "a")) if running else []
+        pending.append(s.schedule())
+        if running:
+            caught += [(t, b) for b in _window_freed(s, "a", before) if b in in_flight]
+        if len(pending) == 2:
+            done = pending.pop(0)
+            output = model_output(s, done)
+            if t == uncounted_at:
+                del output.num_nans_in_logits["a"]
+            reasons.update(finish_reasons(s.update_from_output(done, output)))
+        s.kvguard_pool.check_consistency()
+    return caught, reasons
+
+
+@pytest.mark.parametrize("groups", LOCAL)
+def test_local_chunk_end_frees_a_block_whose_caching_step_is_in_flight(
+    groups: tuple[str, ...],
+) -> None:
+    """Under async scheduling vLLM caches a block one step after the step that
+    completed it, and a local chunk's end can free the block while that step is in
+    flight. Every write into it reported clean: it is validated and published as it
+    is freed, and the in-flight step's output validates nothing of it."""
+    s = make_scheduler(groups=groups, async_scheduling=True)
+    s.add_request(make_request("a", SHORT, max_tokens=20))
+    caught, reasons = _drive_async(s, 25)
+    assert caught, "no local chunk end freed a block of an in-flight step"
+    assert reasons == {"a": "length"}
+    core = s.kvguard_pool.core
+    for _, block_id in caught:
+        info = core.block_info(block_id)
+        assert info.state is BlockState.PUBLISHED and info.ref_cnt == 0
+    stats = s.kvguard_stats()
+    assert stats["blocks_quarantined"] == 0 and stats["blocks_zeroed"] == 0
+
+
+@pytest.mark.parametrize("groups", LOCAL)
+def test_local_chunk_end_after_an_unchecked_step_quarantines_and_the_step_forgets_it(
+    groups: tuple[str, ...],
+) -> None:
+    """The same free when the request's last reported step had no NaN count: the block
+    is quarantined, and the clean output of the in-flight step that cached it does not
+    validate it (it may be another request's by then)."""
+    probe = make_scheduler(groups=groups, async_scheduling=True)
+    probe.add_request(make_request("a", SHORT, max_tokens=20))
+    ((t, _),) = _drive_async(probe, 25)[0]
+    s = make_scheduler(groups=groups, async_scheduling=True)
+    s.add_request(make_request("a", SHORT, max_tokens=20))
+    # The output processed just before schedule t is the last one reported then.
+    caught, reasons = _drive_async(s, 25, uncounted_at=t - 1)
+    assert [step for step, _ in caught] == [t]
+    assert reasons == {"a": "length"}
+    core = s.kvguard_pool.core
+    for _, block_id in caught:
+        assert core.block_state(block_id) is BlockState.QUARANTINED
+    assert s.kvguard_stats()["steps_unchecked"] == 1

@@ -69,10 +69,47 @@ class StepLedger:
                 return True
         return False
 
+    def tokens_in_flight(self, request_id: str) -> int:
+        """Tokens of the request that steps still in flight compute (for it as it is
+        now: steps scheduled before it was preempted or freed do not count)."""
+        return sum(
+            record.scheduled.get(request_id, 0)
+            for record in self._steps
+            if request_id not in record.dropped
+        )
+
     def fills_in_flight(self, request_id: str) -> Iterator[int]:
         """Blocks the request's still-in-flight steps fill (read-only)."""
         for record in self._steps:
             yield from record.fills.get(request_id, ())
+
+    def take_fills(
+        self, request_id: str, block_ids: set[int]
+    ) -> tuple[list[int], dict[int, PendingPublication]]:
+        """Take ``block_ids`` out of the request's in-flight fills: those found, and
+        the publications their steps held for them. (A sliding window or local chunk
+        can free a block whose every write reported, while the step that cached it --
+        the next one, under async scheduling -- is still in flight.)"""
+        taken: list[int] = []
+        publications: dict[int, PendingPublication] = {}
+        for record in self._steps:
+            filled = record.fills.get(request_id)
+            if not filled:
+                continue
+            kept = [b for b in filled if b not in block_ids]
+            if len(kept) == len(filled):
+                continue
+            for block_id in filled:
+                if block_id in block_ids:
+                    taken.append(block_id)
+                    held = record.publications.pop(block_id, None)
+                    if held is not None:
+                        publications[block_id] = held
+            if kept:
+                record.fills[request_id] = kept
+            else:
+                del record.fills[request_id]
+        return taken, publications
 
     def later_fills(self, request_id: str) -> Iterator[int]:
         """Blocks the request's still-in-flight steps fill, removing them (its abort)."""

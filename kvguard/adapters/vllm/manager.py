@@ -17,6 +17,7 @@ require_supported_vllm()
 
 from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
 from vllm.v1.core.single_type_kv_cache_manager import (  # noqa: E402
+    ChunkedLocalAttentionManager,
     FullAttentionManager,
     SlidingWindowManager,
 )
@@ -24,7 +25,7 @@ from vllm.v1.core.single_type_kv_cache_manager import (  # noqa: E402
 from .block_pool import GuardedBlockPool, GuardModeUnsupported  # noqa: E402
 from .config import GuardConfig  # noqa: E402
 
-GUARDED_MANAGERS = (FullAttentionManager, SlidingWindowManager)
+GUARDED_MANAGERS = (FullAttentionManager, SlidingWindowManager, ChunkedLocalAttentionManager)
 """vLLM's single-type managers guarded mode supports, by exact type (subclasses such
 as R-SWA or circular-buffer managers free and reuse blocks in ways not covered)."""
 
@@ -44,8 +45,9 @@ def install_guarded_pool(manager: Any, guard: GuardConfig) -> GuardedBlockPool:
         unsupported = [type(m).__name__ for m in managers if type(m) not in GUARDED_MANAGERS]
         if unsupported:
             raise GuardModeUnsupported(
-                f"kvguard's guarded pool supports full-attention and sliding-window KV "
-                f"cache groups only; this model also has {sorted(set(unsupported))}. Set "
+                "kvguard's guarded pool supports full-attention, sliding-window and "
+                "chunked-local KV cache groups only; this model also has "
+                f"{sorted(set(unsupported))}. Set "
                 "KVGUARD_GUARD=0 (pass-through) for it."
             )
         if coordinator.enable_partial_hash_hits:
@@ -75,7 +77,8 @@ def build_kv_cache_manager(*, guard: GuardConfig | None = None, **kwargs: Any) -
     """``KVCacheManager(**kwargs)`` running on kvguard's pool (``guard`` defaults to
     the environment's settings, see :mod:`kvguard.adapters.vllm.config`).
 
-    With a sliding-window group, the blocks vLLM frees as the window moves are
+    With a sliding-window or chunked-local group, the blocks vLLM frees as the window
+    moves are
     released without knowing whether their steps passed (the guarded schedulers know):
     unvalidated ones are quarantined, and must not be named in a later
     ``validate_step``."""

@@ -91,6 +91,18 @@ class _GuardMixin:
                 "speculative decoding off (no speculative_config), or set KVGUARD_GUARD=0 "
                 "to run the scheduler in pass-through mode."
             )
+        self._kvguard_ledger = StepLedger()
+        # Blocks filled without a step of their request (connector loads), waiting
+        # for the request's first step to vouch for them, and their publications.
+        self._kvguard_carry: dict[str, list[int]] = {}
+        self._kvguard_carry_publications: dict[int, PendingPublication] = {}
+        # Requests being finished because their step failed (never settled clean).
+        self._kvguard_failing: dict[str, int] = {}
+        # Requests that left after a clean step, whose blocks are not released yet.
+        self._kvguard_clean: set[str] = set()
+        # Requests whose latest step came back without a NaN count: not known clean
+        # until a later step of theirs is counted clean.
+        self._kvguard_unchecked: set[str] = set()
         self.kvguard_pool = install_guarded_pool(self.kv_cache_manager, guard)
         if guard.enabled:
             self._kvguard_setup_zeroing(self.kv_cache_config)
@@ -106,18 +118,6 @@ class _GuardMixin:
                 setattr(self, name, getattr(vllm_scheduler, name))
         self.kvguard_metrics = GuardMetrics()
         self.kvguard_metrics_label = register_prometheus(self) if guard.enabled else None
-        self._kvguard_ledger = StepLedger()
-        # Blocks filled without a step of their request (connector loads), waiting
-        # for the request's first step to vouch for them, and their publications.
-        self._kvguard_carry: dict[str, list[int]] = {}
-        self._kvguard_carry_publications: dict[int, PendingPublication] = {}
-        # Requests being finished because their step failed (never settled clean).
-        self._kvguard_failing: dict[str, int] = {}
-        # Requests that left after a clean step, whose blocks are not released yet.
-        self._kvguard_clean: set[str] = set()
-        # Requests whose latest step came back without a NaN count: not known clean
-        # until a later step of theirs is counted clean.
-        self._kvguard_unchecked: set[str] = set()
 
     def _kvguard_setup_zeroing(self, kv_cache_config: Any) -> None:
         """Only kvguard's zero queue goes to the worker, unless vLLM needs its own."""
@@ -153,37 +153,66 @@ class _GuardMixin:
             )
 
     def _kvguard_guard_window_frees(self) -> None:
-        """Sliding-window groups free the blocks that left a running request's window
-        (vLLM's ``remove_skipped_blocks``). vLLM frees only blocks below the request's
-        *processed* tokens, so every step that wrote them has reported: they are
-        validated as they are freed -- not quarantined and zeroed -- unless the
-        request's last reported step is not known clean, or it holds connector-loaded
-        KV no step vouched for yet."""
+        """Sliding-window and chunked-local groups free the blocks that left a running
+        request's window (vLLM's ``remove_skipped_blocks``). vLLM frees only blocks
+        below the request's *processed* tokens, so every step that wrote them has
+        reported: they are validated as they are freed -- not quarantined and zeroed --
+        unless the request's last reported step is not known clean, or it holds
+        connector-loaded KV no step vouched for yet."""
         coordinator = self.kv_cache_manager.coordinator
         remove_skipped = coordinator.remove_skipped_blocks
+        managers = coordinator.single_type_managers
         pool = self.kvguard_pool
+        ledger = self._kvguard_ledger
         checking = pool.guard.check_invariants
 
         def held(request_id: str) -> set[int]:
             return {b.block_id for group in coordinator.get_blocks(request_id) for b in group}
 
+        def processed_fills(request_id: str, processed: int, in_flight: set[int]) -> set[int]:
+            """In-flight fills of the request whose every token is processed."""
+            done = set()
+            for manager, blocks in zip(managers, coordinator.get_blocks(request_id), strict=True):
+                for block in blocks[: processed // manager.block_size]:
+                    if block.block_id in in_flight:
+                        done.add(block.block_id)
+            return done
+
         def remove_skipped_blocks(
             request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
         ) -> None:
             carried = self._kvguard_carry.get(request_id)
-            pool.freeing_clean_request = not carried and self._kvguard_reported_clean(request_id)
+            clean = not carried and self._kvguard_reported_clean(request_id)
+            in_flight = set(ledger.fills_in_flight(request_id))
+            request = self.requests.get(request_id)
+            if in_flight and clean and request is not None:
+                # Under async scheduling the step that cached a block (the one after
+                # the step that completed it) may still be in flight when a local
+                # chunk's boundary frees the block. Every write into it reported
+                # clean: validate and publish it now, not at that step's output (by
+                # then the block may be someone else's). What reported is counted
+                # from kvguard's own ledger, not taken from vLLM's argument.
+                reported = request.num_computed_tokens - ledger.tokens_in_flight(request_id)
+                processed = min(processed_computed_tokens, reported)
+                done = processed_fills(request_id, processed, in_flight)
+                if done:
+                    pool.validate_step(*ledger.take_fills(request_id, done))
+                    in_flight -= done
+            pool.freeing_clean_request = clean
             try:
                 remove_skipped(request_id, processed_computed_tokens, num_prompt_tokens)
             finally:
                 pool.freeing_clean_request = False
-            if checking:
-                # vLLM's contract (processed tokens only) keeps the window off blocks a
-                # step in flight fills: its output would validate a freed block.
-                kept_ids = held(request_id)
-                stray = [
-                    b for b in self._kvguard_ledger.fills_in_flight(request_id) if b not in kept_ids
-                ]
-                assert not stray, f"the window freed blocks {stray} that a step in flight fills"
+            if in_flight:
+                stray = in_flight - held(request_id)
+                if stray:
+                    # vLLM's contract (processed tokens only) keeps a window off blocks
+                    # a step in flight writes; a request not known clean had these
+                    # quarantined as they were freed: its steps must not validate them.
+                    assert not (checking and clean), (
+                        f"the window freed blocks {sorted(stray)} that a step in flight fills"
+                    )
+                    ledger.take_fills(request_id, stray)
             if carried:
                 # Loaded blocks the window dropped (quarantined above) are no longer
                 # the request's to vouch for.
