@@ -69,6 +69,44 @@ def test_clean_finish_frees_the_tail_without_quarantine(async_scheduling: bool) 
     s.kvguard_pool.check_consistency()
 
 
+@pytest.mark.parametrize("unchecked", [False, True])
+def test_async_block_cached_while_an_output_is_processed_is_published(unchecked: bool) -> None:
+    """Under async scheduling vLLM caches a block whose last token only just became
+    known while it processes an output (``cache_blocks`` in ``update_from_output``),
+    not while scheduling a step. Its writes all reported: it is published then, and
+    serves a hit as in stock vLLM -- unless that output had no NaN count for the
+    request: then only a later counted step of the request could vouch for it, and
+    here the request ends with that output, so the block is quarantined."""
+    prompt = list(range(100, 100 + 2 * BLOCK - 2))  # its 3 tokens complete block 1
+    hits = []
+    for guarded in (False, True):
+        s = make_scheduler(guarded=guarded, async_scheduling=True)
+        s.add_request(make_request("a", prompt, max_tokens=3))
+        pending: list[Any] = []
+        reasons: dict[str, str] = {}
+        while "a" not in reasons:
+            pending.append(s.schedule())
+            if len(pending) == 2:
+                so = pending.pop(0)
+                output = model_output(s, so)
+                if guarded and unchecked and s.requests["a"].num_output_placeholders == 1:
+                    del output.num_nans_in_logits["a"]  # the last output, completing block 1
+                reasons.update(finish_reasons(s.update_from_output(so, output)))
+        for so in pending:
+            s.update_from_output(so, model_output(s, so))
+        # The newcomer repeats a's tokens: block 1 holds a's prompt tail and outputs.
+        s.add_request(make_request("b", prompt + [5, 5, 7, 7], max_tokens=1))
+        hits.append(s.schedule().scheduled_new_reqs[0].num_computed_tokens)
+        if guarded:
+            s.kvguard_pool.check_consistency()
+            stats = s.kvguard_stats()
+            assert stats["steps_unchecked"] == int(unchecked)
+            assert stats["blocks_quarantined"] == int(unchecked)
+    stock, guarded_hit = hits
+    assert stock == 2 * BLOCK
+    assert guarded_hit == (BLOCK if unchecked else 2 * BLOCK)
+
+
 def test_preemption_after_a_clean_step_frees_the_tail_without_quarantine() -> None:
     # 4 usable blocks: a (30 tokens) and b (20 tokens) take 2 each; a's decode soon
     # needs a third, and b -- no step of it in flight (sync) -- is preempted.

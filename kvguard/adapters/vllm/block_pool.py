@@ -30,7 +30,7 @@ managers copy, re-point or ring-reuse cached blocks (``move_block_hashes``,
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
 
 from kvguard.adapters.vllm._compat import require_supported_vllm
@@ -124,6 +124,12 @@ class GuardedBlockPool(BlockPool):
         # last step was clean and none is in flight: free_blocks validates what that
         # request still has WRITTEN (its partial tail) instead of quarantining it.
         self.freeing_clean_request = False
+        # Set by the guarded scheduler while vLLM processes a step's output: blocks
+        # vLLM caches then (under async scheduling, those whose last token just became
+        # known) are validated at once when this says every write into them reported
+        # clean -- (request id, tokens the blocks cover) -> bool -- instead of waiting
+        # for a step that will never name them.
+        self.settle_fills: Callable[[str, int], bool] | None = None
         if not self.guard.enabled:
             # Pass-through: vLLM's own methods, bound on the instance, so that vLLM's
             # calls reach them directly -- a guard switched off costs no extra frame
@@ -171,6 +177,10 @@ class GuardedBlockPool(BlockPool):
         fills, publications = self._fills, self._publications
         self._fills, self._publications = {}, {}
         return fills, publications
+
+    def has_step_fills(self) -> bool:
+        """Whether blocks were noted as filled since the last :meth:`take_step_fills`."""
+        return bool(self._fills)
 
     def validate_step(
         self,
@@ -280,7 +290,11 @@ class GuardedBlockPool(BlockPool):
             parent = key
             i += 1
         if filled:
-            self._fills.setdefault(owner, []).extend(filled)
+            settle = self.settle_fills
+            if settle is not None and settle(owner, num_full_blocks * block_size):
+                self.validate_step(filled, {b: publications.pop(b) for b in filled})
+            else:
+                self._fills.setdefault(owner, []).extend(filled)
 
     def _publish_now(
         self,

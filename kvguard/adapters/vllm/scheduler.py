@@ -356,9 +356,15 @@ class _GuardMixin:
             finally:
                 self._kvguard_failing = {}
             metrics.requests_aborted += len(aborted)
-        outputs = super().update_from_output(  # type: ignore[misc]
-            scheduler_output, model_runner_output
-        )
+        pool.settle_fills = self._kvguard_fill_settled
+        try:
+            outputs = super().update_from_output(  # type: ignore[misc]
+                scheduler_output, model_runner_output
+            )
+        finally:
+            pool.settle_fills = None
+        if pool.has_step_fills():
+            self._kvguard_carry_late_fills()
         for request in aborted:
             eco = outputs.get(request.client_index)
             if eco is None:
@@ -386,6 +392,38 @@ class _GuardMixin:
                     if any(b in invalid for group in groups for b in group):
                         out.add(req_id)
         return out
+
+    def _kvguard_fill_settled(self, request_id: str, num_tokens: int) -> bool:
+        """Whether blocks covering the request's first ``num_tokens`` tokens, cached
+        while vLLM processes an output, were written by steps that all reported and
+        were counted clean (failing requests never get here: vLLM caches for running
+        ones only). What reported is counted from kvguard's ledger."""
+        if (
+            request_id in self._kvguard_unchecked
+            or request_id in self._kvguard_failing
+            or request_id in self._kvguard_carry
+        ):
+            return False
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        reported = request.num_computed_tokens - self._kvguard_ledger.tokens_in_flight(request_id)
+        return num_tokens <= reported
+
+    def _kvguard_carry_late_fills(self) -> None:
+        """Blocks cached while an output was processed that could not be validated
+        then (the request's last step had no NaN count, or it holds unvouched loaded
+        KV): the request's next counted step vouches for them, as for a connector's
+        loads. A request that left already released them (quarantined)."""
+        fills, publications = self.kvguard_pool.take_step_fills()
+        carry = self._kvguard_carry
+        held = self._kvguard_carry_publications
+        for req_id, ids in fills.items():
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            carry.setdefault(req_id, []).extend(ids)
+            held.update((b, publications[b]) for b in ids if b in publications)
 
     # ------------------------------------------------------------------ release
 

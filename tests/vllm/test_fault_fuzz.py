@@ -1,0 +1,275 @@
+"""Random fault traces through the real guarded scheduler, checked against a model of
+the KV bytes.
+
+Each trace runs requests with shared prefixes through a small pool (so vLLM preempts),
+chunked prefill and decode, on full-attention, sliding-window and chunked-local
+groups, sync and async, while outputs randomly carry NaN counts, come back without a
+count, and clients abort requests mid-step. The test keeps its own record of every KV
+slot: which step wrote it, for which token prefix, and what became of that step
+(clean, NaN, unchecked, or dropped because its request was preempted, aborted or
+finished before the output arrived). At every step it checks what DESIGN.md promises:
+
+* every request reads, below its computed tokens, only KV of its own token prefix
+  written by steps known clean (or by its own step still in flight);
+* a block handed out fresh that holds KV of a NaN or dropped step is in that step's
+  ``new_block_ids_to_zero``, and a zeroed block is held by its new owner alone;
+* kvguard's invariants and the adapter's consistency checks hold after every step,
+  and when the trace ends every block but vLLM's null block is back, unreferenced.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm")
+
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+from kvguard import BlockState  # noqa: E402
+
+from .harness import BLOCK, finish_reasons, make_request, make_scheduler, model_output  # noqa: E402
+
+NULL = 0
+TOKEN = 5  # what model_output samples for every request
+SHAPES = [("full",), ("full", "sliding"), ("sliding",), ("full", "chunked"), ("chunked",)]
+
+Writer = tuple[int, str, int]
+"""(step, request id, incarnation of the request) that wrote a KV slot."""
+
+
+@dataclass
+class KvModel:
+    """What each block's slots hold, and what became of the steps that wrote them."""
+
+    slots: dict[int, list[tuple[int, Writer] | None]] = field(default_factory=dict)
+    fate: dict[Writer, str] = field(default_factory=dict)
+    """"pending", "clean", "unchecked", "nan" or "dropped"."""
+    unchecked: dict[tuple[str, int], list[Writer]] = field(default_factory=dict)
+    """Writers counted neither way, per request incarnation, until a step vouches."""
+
+    def slot(self, block_id: int, offset: int) -> tuple[int, Writer] | None:
+        return self.slots.setdefault(block_id, [None] * BLOCK)[offset]
+
+    def write(self, block_id: int, offset: int, prefix: int, writer: Writer) -> None:
+        self.slots.setdefault(block_id, [None] * BLOCK)[offset] = (prefix, writer)
+
+    def zero(self, block_id: int) -> None:
+        self.slots[block_id] = [None] * BLOCK
+
+    def poisoned(self, block_id: int) -> bool:
+        """Holds KV of a step that failed or never reported (must be zeroed on reuse)."""
+        return any(
+            s is not None and self.fate[s[1]] in ("nan", "dropped")
+            for s in self.slots.get(block_id, ())
+        )
+
+
+def _prefix_ids(tokens: list[int]) -> list[int]:
+    """An id per position for the token prefix ending there (the KV's identity)."""
+    ids, h = [], 0
+    for t in tokens:
+        h = hash((h, t))
+        ids.append(h)
+    return ids
+
+
+class FaultTrace:
+    """One random trace through a guarded scheduler, checked step by step."""
+
+    def __init__(self, groups: tuple[str, ...], async_scheduling: bool, seed: int) -> None:
+        self.rng = rng = random.Random(seed)
+        self.async_scheduling = async_scheduling
+        # A pool small enough that vLLM preempts (a local chunk alone needs few blocks).
+        self.s = make_scheduler(
+            groups=groups,
+            async_scheduling=async_scheduling,
+            num_blocks=12 if groups == ("chunked",) else 22,
+            max_num_seqs=8,
+        )
+        self.manager = self.s.kv_cache_manager
+        prefixes = [[rng.randrange(1000, 50_000) for _ in range(2 * BLOCK)] for _ in range(3)]
+        self.arrivals: dict[int, list[tuple[str, list[int], int]]] = {}
+        self.expected: dict[str, list[int]] = {}
+        for i in range(14):
+            prompt = rng.choice(prefixes)[: rng.randrange(BLOCK, 2 * BLOCK + 1)]
+            prompt = prompt + [rng.randrange(1000, 50_000) for _ in range(rng.randrange(1, 50))]
+            max_tokens = rng.randrange(4, 60)
+            self.arrivals.setdefault(rng.randrange(0, 12), []).append((f"r{i}", prompt, max_tokens))
+            self.expected[f"r{i}"] = _prefix_ids(prompt + [TOKEN] * max_tokens)
+        self.kv = KvModel()
+        self.incarnation = dict.fromkeys(self.expected, 0)
+        self.finished: set[str] = set()
+        self.seen = {"nan": 0, "unchecked": 0, "aborted": 0, "preempted": 0, "hit_tokens": 0}
+
+    def run(self) -> dict[str, int]:
+        s = self.s
+        pending: list[tuple[Any, dict[str, Writer]]] = []
+        for t in range(400):
+            for req_id, prompt, max_tokens in self.arrivals.get(t, ()):
+                s.add_request(make_request(req_id, prompt, max_tokens))
+            pending.append(self.schedule(t))
+            if self.async_scheduling:
+                self.abort()  # mid-step: the request's step is in flight
+                if len(pending) == 2:
+                    self.settle(*pending.pop(0))
+            else:
+                self.settle(*pending.pop(0))
+                self.abort()  # between steps, after a clean or failed output
+            s.kvguard_pool.check_consistency()
+            if t > 12 and not s.requests and not pending:
+                break
+        while pending:
+            self.settle(*pending.pop(0))
+        assert not s.requests, "the trace did not drain"
+        assert self.finished == set(self.expected)
+        core = s.kvguard_pool.core
+        held = [b.block_id for b in core.block_records if b.ref_cnt]
+        assert held == [NULL], f"blocks still referenced after the trace: {held}"
+        by_state = core.stats().blocks_by_state
+        assert by_state[BlockState.WRITTEN] == 0
+        assert by_state[BlockState.ALLOCATED] == 1  # the null block
+        s.kvguard_pool.check_consistency()
+        return self.seen
+
+    def retire(self, req_id: str) -> None:
+        """The request's steps in flight will never report for it (it left or restarts)."""
+        self.incarnation[req_id] += 1
+
+    def schedule(self, t: int) -> tuple[Any, dict[str, Writer]]:
+        s, manager = self.s, self.manager
+        tables_before = {r: manager.get_block_ids(r) for r in s.requests}
+        so = s.schedule()
+        for req_id in so.preempted_req_ids:
+            self.seen["preempted"] += 1
+            self.retire(req_id)
+        zeroed = set(so.new_block_ids_to_zero or ())
+        self.check_zeroed_blocks_have_one_owner(zeroed)
+        for req_id, n in so.num_scheduled_tokens.items():
+            start = s.requests[req_id].num_computed_tokens - n
+            old = tables_before.get(req_id, ())
+            for g, blocks in enumerate(manager.get_block_ids(req_id)):
+                fresh = [
+                    b
+                    for i, b in enumerate(blocks)
+                    if b != NULL and i * BLOCK >= start and not (old and b in old[g])
+                ]
+                for b in fresh:  # handed out for this step to write into
+                    assert b in zeroed or not self.kv.poisoned(b), (
+                        f"block {b} reused unzeroed with failed KV"
+                    )
+                self.check_reads(req_id, blocks, start)
+            if start > 0 and not any(old):
+                self.seen["hit_tokens"] += start  # a prefix hit at admission or resumption
+        for b in zeroed:
+            self.kv.zero(b)
+        writers: dict[str, Writer] = {}
+        for req_id, n in so.num_scheduled_tokens.items():
+            start = s.requests[req_id].num_computed_tokens - n
+            w = writers[req_id] = (t, req_id, self.incarnation[req_id])
+            self.kv.fate[w] = "pending"
+            ids = self.expected[req_id]
+            for blocks in manager.get_block_ids(req_id):
+                for p in range(start, start + n):
+                    self.kv.write(blocks[p // BLOCK], p % BLOCK, ids[p], w)
+        return so, writers
+
+    def check_zeroed_blocks_have_one_owner(self, zeroed: set[int]) -> None:
+        owners: dict[int, set[str]] = {}
+        for req_id, request in self.s.requests.items():
+            if not request.is_finished():
+                for blocks in self.manager.get_block_ids(req_id):
+                    for b in blocks:
+                        owners.setdefault(b, set()).add(req_id)
+        for b in zeroed:
+            assert len(owners.get(b, ())) == 1, f"zeroed block {b} is shared: {owners.get(b)}"
+
+    def check_reads(self, req_id: str, blocks: list[int], computed: int) -> None:
+        """The step attends to its computed tokens' KV: its own prefix's, from steps
+        known clean, or its own (same incarnation) still in flight or unchecked."""
+        ids = self.expected[req_id]
+        inc = self.incarnation[req_id]
+        for p in range(computed):
+            b = blocks[p // BLOCK]
+            if b == NULL:
+                continue  # out of the window / local chunk
+            held = self.kv.slot(b, p % BLOCK)
+            assert held is not None, f"{req_id} reads empty slot {p} (block {b})"
+            prefix, w = held
+            assert prefix == ids[p], f"{req_id} reads another prefix's KV at {p}"
+            fate = self.kv.fate[w]
+            own = w[1] == req_id and w[2] == inc
+            assert fate == "clean" or (own and fate in ("pending", "unchecked")), (
+                f"{req_id} reads KV at {p} of a step that is {fate} ({w})"
+            )
+
+    def settle(self, so: Any, writers: dict[str, Writer]) -> None:
+        """The step's output arrives, some requests' rows NaN, some without a count."""
+        s, kv, rng = self.s, self.kv, self.rng
+        nans: dict[str, int] = {}
+        uncounted = []
+        for req_id in so.num_scheduled_tokens:
+            if req_id in s.requests and not s.requests[req_id].is_finished():
+                roll = rng.random()
+                if roll < 0.03:
+                    nans[req_id] = 1
+                elif roll < 0.05:
+                    uncounted.append(req_id)
+        output = model_output(s, so, nans)
+        for req_id in uncounted:
+            del output.num_nans_in_logits[req_id]
+        live = {r: w[2] == self.incarnation[r] for r, w in writers.items()}
+        reasons = finish_reasons(s.update_from_output(so, output))
+        self.seen["nan"] += len(nans)
+        self.seen["unchecked"] += len(uncounted)
+        for req_id, w in writers.items():
+            key = (req_id, w[2])
+            if not live[req_id]:
+                fate = "dropped"  # preempted, aborted or finished while in flight
+            elif req_id in nans:
+                fate = "nan"
+                assert reasons.get(req_id) == "error", f"{req_id}'s NaN step did not abort it"
+            elif req_id in uncounted:
+                fate = "unchecked"
+                kv.unchecked.setdefault(key, []).append(w)
+            else:
+                fate = "clean"
+                for earlier in kv.unchecked.pop(key, ()):  # a counted step vouches
+                    kv.fate[earlier] = "clean"
+            kv.fate[w] = fate
+        for req_id in reasons:
+            self.finished.add(req_id)
+            self.retire(req_id)
+        for req_id, inc in list(kv.unchecked):
+            if inc != self.incarnation[req_id]:
+                for w in kv.unchecked.pop((req_id, inc)):
+                    kv.fate[w] = "dropped"  # left before a counted step vouched
+
+    def abort(self) -> None:
+        """Now and then a client aborts a running request."""
+        s = self.s
+        running = sorted(r for r, req in s.requests.items() if not req.is_finished())
+        if running and self.rng.random() < 0.05:
+            victim = self.rng.choice(running)
+            s.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
+            self.seen["aborted"] += 1
+            self.finished.add(victim)
+            self.retire(victim)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("groups", SHAPES, ids=["+".join(g) for g in SHAPES])
+def test_random_fault_traces_keep_every_promise(
+    groups: tuple[str, ...], async_scheduling: bool
+) -> None:
+    totals: dict[str, int] = {}
+    for seed in range(3):
+        for key, value in FaultTrace(groups, async_scheduling, seed).run().items():
+            totals[key] = totals.get(key, 0) + value
+    # The traces exercised what they are for.
+    assert totals["nan"] > 0 and totals["unchecked"] > 0 and totals["preempted"] > 0
+    assert totals["hit_tokens"] > 0 and totals["aborted"] > 0
