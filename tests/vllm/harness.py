@@ -20,6 +20,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -89,8 +90,9 @@ def make_scheduler(
 ) -> Any:
     """A real scheduler; ``groups`` names its KV cache groups' kinds in order:
     ``"full"`` (full attention), ``"sliding"`` (a ``window``-token sliding window),
-    ``"chunked"`` (``window``-token chunked local attention) or ``"rswa"`` (R-SWA: the
-    prompt and the last ``window`` generated tokens)."""
+    ``"chunked"`` (``window``-token chunked local attention), ``"rswa"`` (R-SWA: the
+    prompt and the last ``window`` generated tokens) or ``"ring"`` (a circular buffer:
+    one block per request, reused in place)."""
     vllm_config = make_vllm_config(
         async_scheduling=async_scheduling,
         num_blocks=num_blocks,
@@ -137,6 +139,8 @@ def _kv_cache_spec(kind: str, window: int) -> Any:
         return ChunkedLocalAttentionSpec(**shape, attention_chunk_size=window)
     if kind == "rswa":
         return RSWASpec(**shape, rswa_window=window)
+    if kind == "ring":
+        return CircularBufferSpec(**shape)
     raise ValueError(f"unknown KV cache group kind {kind!r}")
 
 

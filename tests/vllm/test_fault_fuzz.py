@@ -36,7 +36,14 @@ from .harness import BLOCK, finish_reasons, make_request, make_scheduler, model_
 
 NULL = 0
 TOKEN = 5  # what model_output samples for every request
-SHAPES = [("full",), ("full", "sliding"), ("sliding",), ("full", "chunked"), ("chunked",)]
+SHAPES = [
+    ("full",),
+    ("full", "sliding"),
+    ("sliding",),
+    ("full", "chunked"),
+    ("chunked",),
+    ("full", "rswa"),
+]
 
 Writer = tuple[int, str, int]
 """(step, request id, incarnation of the request) that wrote a KV slot."""
@@ -81,7 +88,9 @@ def _prefix_ids(tokens: list[int]) -> list[int]:
 class FaultTrace:
     """One random trace through a guarded scheduler, checked step by step."""
 
-    def __init__(self, groups: tuple[str, ...], async_scheduling: bool, seed: int) -> None:
+    def __init__(
+        self, groups: tuple[str, ...], async_scheduling: bool, seed: int, prefix_caching: bool
+    ) -> None:
         self.rng = rng = random.Random(seed)
         self.async_scheduling = async_scheduling
         # A pool small enough that vLLM preempts (a local chunk alone needs few blocks).
@@ -90,6 +99,7 @@ class FaultTrace:
             async_scheduling=async_scheduling,
             num_blocks=12 if groups == ("chunked",) else 22,
             max_num_seqs=8,
+            prefix_caching=prefix_caching,
         )
         self.manager = self.s.kv_cache_manager
         prefixes = [[rng.randrange(1000, 50_000) for _ in range(2 * BLOCK)] for _ in range(3)]
@@ -261,15 +271,18 @@ class FaultTrace:
             self.retire(victim)
 
 
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["caching", "no-caching"])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("groups", SHAPES, ids=["+".join(g) for g in SHAPES])
 def test_random_fault_traces_keep_every_promise(
-    groups: tuple[str, ...], async_scheduling: bool
+    groups: tuple[str, ...], async_scheduling: bool, prefix_caching: bool
 ) -> None:
     totals: dict[str, int] = {}
     for seed in range(3):
-        for key, value in FaultTrace(groups, async_scheduling, seed).run().items():
+        trace = FaultTrace(groups, async_scheduling, seed, prefix_caching)
+        for key, value in trace.run().items():
             totals[key] = totals.get(key, 0) + value
     # The traces exercised what they are for.
     assert totals["nan"] > 0 and totals["unchecked"] > 0 and totals["preempted"] > 0
-    assert totals["hit_tokens"] > 0 and totals["aborted"] > 0
+    assert totals["aborted"] > 0
+    assert (totals["hit_tokens"] > 0) == prefix_caching

@@ -31,6 +31,10 @@ from .harness import (  # noqa: E402
 )
 
 WINDOWED = [("sliding",), ("full", "sliding"), ("chunked",), ("full", "chunked")]
+"""Groups whose window (or local chunk) leaves the prompt's first blocks behind."""
+FREEING = [*WINDOWED, ("rswa",), ("full", "rswa")]
+"""Every group shape whose blocks vLLM frees while the request runs (R-SWA frees the
+gap between the prompt and its decode window)."""
 PROMPT = list(range(3000, 3000 + 5 * BLOCK + 3))
 NULL = 0  # vLLM's null block: what a block table holds where the window freed a block
 
@@ -204,7 +208,7 @@ def test_without_prefix_caching_window_frees_after_an_unchecked_step_are_quarant
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-@pytest.mark.parametrize("groups", WINDOWED)
+@pytest.mark.parametrize("groups", FREEING)
 def test_clean_trace_same_decisions_as_stock_vllm(
     groups: tuple[str, ...], async_scheduling: bool
 ) -> None:
@@ -229,10 +233,47 @@ def test_clean_trace_same_decisions_as_stock_vllm(
     assert any(h for entry in runs[0] if isinstance(entry, tuple) for h in entry[1].values())
 
 
-def test_guard_refuses_r_swa() -> None:
-    with pytest.raises(GuardModeUnsupported, match="RSWAManager"):
-        make_scheduler(groups=("full", "rswa"))
-    make_scheduler(groups=("full", "rswa"), kvguard={"enabled": False})
+def test_guard_refuses_a_circular_buffer_group() -> None:
+    # One block per request, rewritten in place: no step ever fills it for good.
+    with pytest.raises(GuardModeUnsupported, match="CircularBufferManager"):
+        make_scheduler(groups=("full", "ring"))
+    make_scheduler(groups=("full", "ring"), kvguard={"enabled": False})
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+@pytest.mark.parametrize("groups", [("rswa",), ("full", "rswa")])
+def test_r_swa_gap_blocks_freed_after_clean_steps_are_not_quarantined(
+    groups: tuple[str, ...], prefix_caching: bool
+) -> None:
+    """R-SWA keeps the prompt and the last ``window`` generated tokens: the decode
+    blocks between them are freed as decoding moves on, after clean steps without
+    quarantine -- published ones stay reusable, unpublished ones (prefix caching off)
+    are freed plainly -- while the prompt's blocks stay held."""
+    s = make_scheduler(groups=groups, prefix_caching=prefix_caching)
+    s.add_request(make_request("a", PROMPT, max_tokens=120))
+    step(s)
+    step(s)  # the prompt's two prefill chunks
+    prompt_blocks = list(_windowed_table(s, "a"))[: len(PROMPT) // BLOCK]
+    core = s.kvguard_pool.core
+    freed: list[int] = []
+    states: set[BlockState] = set()
+    for _ in range(100):
+        before = list(_windowed_table(s, "a"))
+        step(s)
+        now = _window_freed(s, "a", before)
+        freed += now
+        states.update(core.block_state(b) for b in now)
+    table = _windowed_table(s, "a")
+    assert table[: len(prompt_blocks)] == prompt_blocks  # never freed
+    gap = [i for i, b in enumerate(table) if b == NULL]
+    assert gap and gap[0] == -(-len(PROMPT) // BLOCK), "no gap block was freed"
+    assert len(freed) == len(gap)
+    if prefix_caching:
+        assert states == {BlockState.PUBLISHED}
+    # (Unpublished ones go back FREE and are handed straight back to a's next block.)
+    stats = s.kvguard_stats()
+    assert stats["blocks_quarantined"] == 0 and stats["blocks_zeroed"] == 0
+    s.kvguard_pool.check_consistency()
 
 
 @pytest.mark.parametrize("windowed", ["sliding", "chunked"])

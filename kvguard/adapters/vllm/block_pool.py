@@ -20,9 +20,9 @@ subclass, so every attribute vLLM or a connector reads exists). Two modes:
   :attr:`freeing_clean_request` while it frees a request that leaves after a clean
   step.
 
-Guarded mode supports full-attention (MHA, GQA, MLA), sliding-window and chunked-local
-KV cache groups (the guarded scheduler validates the blocks a window or local chunk
-frees, see docs/vllm.md); other
+Guarded mode supports full-attention (MHA, GQA, MLA), sliding-window, chunked-local and
+R-SWA KV cache groups (the guarded scheduler validates the blocks a window, local chunk
+or R-SWA gap frees, see docs/vllm.md); other
 managers copy, re-point or ring-reuse cached blocks (``move_block_hashes``,
 ``cache_partial_block``) and are refused at install time.
 """

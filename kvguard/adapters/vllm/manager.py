@@ -19,15 +19,23 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
 from vllm.v1.core.single_type_kv_cache_manager import (  # noqa: E402
     ChunkedLocalAttentionManager,
     FullAttentionManager,
+    RSWAManager,
     SlidingWindowManager,
 )
 
 from .block_pool import GuardedBlockPool, GuardModeUnsupported  # noqa: E402
 from .config import GuardConfig  # noqa: E402
 
-GUARDED_MANAGERS = (FullAttentionManager, SlidingWindowManager, ChunkedLocalAttentionManager)
-"""vLLM's single-type managers guarded mode supports, by exact type (subclasses such
-as R-SWA or circular-buffer managers free and reuse blocks in ways not covered)."""
+GUARDED_MANAGERS = (
+    FullAttentionManager,
+    SlidingWindowManager,
+    ChunkedLocalAttentionManager,
+    RSWAManager,
+)
+"""vLLM's single-type managers guarded mode supports, by exact type (others, such as
+circular-buffer, sink or Mamba managers, write, copy or ring-reuse blocks in ways not
+covered). The windowed ones free blocks below a running request's processed tokens
+(``remove_skipped_blocks``), which the guarded schedulers validate as they go."""
 
 
 def install_guarded_pool(manager: Any, guard: GuardConfig) -> GuardedBlockPool:
@@ -45,8 +53,8 @@ def install_guarded_pool(manager: Any, guard: GuardConfig) -> GuardedBlockPool:
         unsupported = [type(m).__name__ for m in managers if type(m) not in GUARDED_MANAGERS]
         if unsupported:
             raise GuardModeUnsupported(
-                "kvguard's guarded pool supports full-attention, sliding-window and "
-                "chunked-local KV cache groups only; this model also has "
+                "kvguard's guarded pool supports full-attention, sliding-window, "
+                "chunked-local and R-SWA KV cache groups only; this model also has "
                 f"{sorted(set(unsupported))}. Set "
                 "KVGUARD_GUARD=0 (pass-through) for it."
             )
@@ -77,8 +85,8 @@ def build_kv_cache_manager(*, guard: GuardConfig | None = None, **kwargs: Any) -
     """``KVCacheManager(**kwargs)`` running on kvguard's pool (``guard`` defaults to
     the environment's settings, see :mod:`kvguard.adapters.vllm.config`).
 
-    With a sliding-window or chunked-local group, the blocks vLLM frees as the window
-    moves are
+    With a sliding-window, chunked-local or R-SWA group, the blocks vLLM frees while a
+    request runs are
     released without knowing whether their steps passed (the guarded schedulers know):
     unvalidated ones are quarantined, and must not be named in a later
     ``validate_step``."""

@@ -153,8 +153,9 @@ class _GuardMixin:
             )
 
     def _kvguard_guard_window_frees(self) -> None:
-        """Sliding-window and chunked-local groups free the blocks that left a running
-        request's window (vLLM's ``remove_skipped_blocks``). vLLM frees only blocks
+        """Sliding-window, chunked-local and R-SWA groups free blocks of a running
+        request: those that left its window or local chunk, or R-SWA's gap between its
+        prompt and its window (vLLM's ``remove_skipped_blocks``). vLLM frees only blocks
         below the request's *processed* tokens, so every step that wrote them has
         reported: they are validated as they are freed -- not quarantined and zeroed --
         unless the request's last reported step is not known clean, or it holds
