@@ -1,9 +1,11 @@
-"""Guarded mode on sliding-window KV cache groups, alone and beside full attention.
+"""Guarded mode on KV cache groups whose blocks vLLM frees while a request runs:
+sliding-window, chunked-local and R-SWA groups, alone and beside full attention.
 
-vLLM frees the blocks that left a running request's window (``remove_skipped_blocks``,
-below its processed tokens). Every step that wrote them reported back, so after clean
-steps they are freed validated -- cached ones stay hits, none is quarantined or zeroed
--- while a request whose last step is not known clean has them quarantined.
+vLLM frees the blocks that left a running request's window or local chunk, or R-SWA's
+gap between prompt and window (``remove_skipped_blocks``, below its processed tokens).
+Every step that wrote them reported back, so after clean steps they are freed validated
+-- cached ones stay hits, none is quarantined or zeroed -- while a request whose last
+step is not known clean has them quarantined.
 """
 
 from __future__ import annotations
