@@ -32,7 +32,15 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvguard import BlockState  # noqa: E402
 
-from .harness import BLOCK, finish_reasons, make_request, make_scheduler, model_output  # noqa: E402
+from .harness import (  # noqa: E402
+    BLOCK,
+    finish_reasons,
+    make_request,
+    make_scheduler,
+    model_output,
+)
+from .test_offloading import output as connector_output  # noqa: E402
+from .test_offloading import transfer_config  # noqa: E402
 
 NULL = 0
 TOKEN = 5  # what model_output samples for every request
@@ -89,7 +97,12 @@ class FaultTrace:
     """One random trace through a guarded scheduler, checked step by step."""
 
     def __init__(
-        self, groups: tuple[str, ...], async_scheduling: bool, seed: int, prefix_caching: bool
+        self,
+        groups: tuple[str, ...],
+        async_scheduling: bool,
+        seed: int,
+        prefix_caching: bool = True,
+        offload: bool = False,
     ) -> None:
         self.rng = rng = random.Random(seed)
         self.async_scheduling = async_scheduling
@@ -100,21 +113,39 @@ class FaultTrace:
             num_blocks=12 if groups == ("chunked",) else 22,
             max_num_seqs=8,
             prefix_caching=prefix_caching,
+            kv_transfer_config=transfer_config() if offload else None,
         )
+        self.offload = offload
+        # The CPU tier (offloading): chunk id -> the slots a finished store copied.
+        self.cpu: dict[int, list[tuple[int, Writer] | None]] = {}
+        self.stores: dict[int, list[tuple[int, list[tuple[int, Writer] | None]]]] = {}
+        """Store job id -> (CPU chunk, the slots it copies), until the job finishes."""
         self.manager = self.s.kv_cache_manager
         prefixes = [[rng.randrange(1000, 50_000) for _ in range(2 * BLOCK)] for _ in range(3)]
         self.arrivals: dict[int, list[tuple[str, list[int], int]]] = {}
         self.expected: dict[str, list[int]] = {}
-        for i in range(14):
+        # With offloading, a second wave comes back to the prefixes after the small GPU
+        # pool evicted them, and loads them from the CPU tier.
+        waves = [(0, 12)] + [(40, 60)] * offload
+        for i in range(14 * len(waves)):
             prompt = rng.choice(prefixes)[: rng.randrange(BLOCK, 2 * BLOCK + 1)]
             prompt = prompt + [rng.randrange(1000, 50_000) for _ in range(rng.randrange(1, 50))]
             max_tokens = rng.randrange(4, 60)
-            self.arrivals.setdefault(rng.randrange(0, 12), []).append((f"r{i}", prompt, max_tokens))
+            arrival = rng.randrange(*waves[i // 14])
+            self.arrivals.setdefault(arrival, []).append((f"r{i}", prompt, max_tokens))
             self.expected[f"r{i}"] = _prefix_ids(prompt + [TOKEN] * max_tokens)
         self.kv = KvModel()
         self.incarnation = dict.fromkeys(self.expected, 0)
         self.finished: set[str] = set()
-        self.seen = {"nan": 0, "unchecked": 0, "aborted": 0, "preempted": 0, "hit_tokens": 0}
+        self.seen = {
+            "nan": 0,
+            "unchecked": 0,
+            "aborted": 0,
+            "preempted": 0,
+            "hit_tokens": 0,
+            "stored": 0,
+            "loaded": 0,
+        }
 
     def run(self) -> dict[str, int]:
         s = self.s
@@ -131,7 +162,7 @@ class FaultTrace:
                 self.settle(*pending.pop(0))
                 self.abort()  # between steps, after a clean or failed output
             s.kvguard_pool.check_consistency()
-            if t > 12 and not s.requests and not pending:
+            if t > max(self.arrivals) and not s.requests and not pending:
                 break
         while pending:
             self.settle(*pending.pop(0))
@@ -177,6 +208,8 @@ class FaultTrace:
                 self.seen["hit_tokens"] += start  # a prefix hit at admission or resumption
         for b in zeroed:
             self.kv.zero(b)
+        if self.offload:
+            self.transfer(so)
         writers: dict[str, Writer] = {}
         for req_id, n in so.num_scheduled_tokens.items():
             start = s.requests[req_id].num_computed_tokens - n
@@ -187,6 +220,41 @@ class FaultTrace:
                 for p in range(start, start + n):
                     self.kv.write(blocks[p // BLOCK], p % BLOCK, ids[p], w)
         return so, writers
+
+    def transfer(self, so: Any) -> None:
+        """The workers' copies for this step: each store job's source blocks must hold
+        complete KV of steps known clean (the offload gate); each load job writes what
+        the CPU tier holds into its GPU blocks."""
+        meta = so.kv_connector_metadata
+        for job_id, job in meta.store_jobs.items():
+            src = [int(b) for b in job.src_spec.block_ids]
+            dst = [int(c) for c in job.dst_spec.block_ids]
+            snapshot = []
+            for b, c in zip(src, dst, strict=True):
+                slots = self.kv.slots.get(b, [None] * BLOCK)
+                for slot in slots:
+                    assert slot is not None, f"a store job copies block {b}, not full"
+                    fate = self.kv.fate[slot[1]]
+                    assert fate == "clean", f"a store job copies block {b} of a {fate} step"
+                snapshot.append((c, list(slots)))
+            self.stores[job_id] = snapshot
+        for job in meta.load_jobs.values():
+            src = [int(c) for c in job.src_spec.block_ids]
+            dst = [int(b) for b in job.dst_spec.block_ids]
+            for c, b in zip(src, dst, strict=True):
+                assert c in self.cpu, f"a load job reads CPU chunk {c}, never stored"
+                self.kv.slots[b] = list(self.cpu[c])
+            self.seen["loaded"] += len(dst)
+
+    def transfers_done(self, so: Any) -> tuple[list[int], list[str]]:
+        """The workers finish every job of the step with its output."""
+        meta = so.kv_connector_metadata
+        for job_id in meta.store_jobs:
+            snapshot = self.stores.pop(job_id)
+            self.cpu.update(snapshot)
+            self.seen["stored"] += len(snapshot)
+        done = [*meta.store_jobs, *meta.load_jobs]
+        return done, [job.req_id for job in meta.load_jobs.values()]
 
     def check_zeroed_blocks_have_one_owner(self, zeroed: set[int]) -> None:
         owners: dict[int, set[str]] = {}
@@ -229,7 +297,11 @@ class FaultTrace:
                     nans[req_id] = 1
                 elif roll < 0.05:
                     uncounted.append(req_id)
-        output = model_output(s, so, nans)
+        if self.offload:
+            completed, received = self.transfers_done(so)
+            output = connector_output(s, so, nans, completed=completed, recved=received)
+        else:
+            output = model_output(s, so, nans)
         for req_id in uncounted:
             del output.num_nans_in_logits[req_id]
         live = {r: w[2] == self.incarnation[r] for r, w in writers.items()}
@@ -286,3 +358,19 @@ def test_random_fault_traces_keep_every_promise(
     assert totals["nan"] > 0 and totals["unchecked"] > 0 and totals["preempted"] > 0
     assert totals["aborted"] > 0
     assert (totals["hit_tokens"] > 0) == prefix_caching
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_random_fault_traces_with_the_guarded_offloading_connector(
+    async_scheduling: bool,
+) -> None:
+    """The same traces with vLLM's CPU offloading behind kvguard's gate: every store
+    job copies complete KV of clean steps, and what later loads back from the CPU tier
+    (the small GPU pool evicts) passes the same read checks."""
+    totals: dict[str, int] = {}
+    for seed in range(4):
+        trace = FaultTrace(("full",), async_scheduling, seed, offload=True)
+        for key, value in trace.run().items():
+            totals[key] = totals.get(key, 0) + value
+    assert totals["nan"] > 0 and totals["preempted"] > 0 and totals["aborted"] > 0
+    assert totals["stored"] > 0 and totals["loaded"] > 0
