@@ -22,9 +22,9 @@ subclass, so every attribute vLLM or a connector reads exists). Two modes:
 
 Guarded mode supports full-attention (MHA, GQA, MLA), sliding-window, chunked-local and
 R-SWA KV cache groups (the guarded scheduler validates the blocks a window, local chunk
-or R-SWA gap frees, see docs/vllm.md); other
-managers copy, re-point or ring-reuse cached blocks (``move_block_hashes``,
-``cache_partial_block``) and are refused at install time.
+or R-SWA gap frees, see docs/vllm.md); other managers copy, re-point or ring-reuse
+cached blocks (``move_block_hashes``, ``cache_partial_block``) and are refused at
+install time.
 """
 
 from __future__ import annotations

@@ -55,8 +55,7 @@ def install_guarded_pool(manager: Any, guard: GuardConfig) -> GuardedBlockPool:
             raise GuardModeUnsupported(
                 "kvguard's guarded pool supports full-attention, sliding-window, "
                 "chunked-local and R-SWA KV cache groups only; this model also has "
-                f"{sorted(set(unsupported))}. Set "
-                "KVGUARD_GUARD=0 (pass-through) for it."
+                f"{sorted(set(unsupported))}. Set KVGUARD_GUARD=0 (pass-through) for it."
             )
         if coordinator.enable_partial_hash_hits:
             raise GuardModeUnsupported(
@@ -86,10 +85,9 @@ def build_kv_cache_manager(*, guard: GuardConfig | None = None, **kwargs: Any) -
     the environment's settings, see :mod:`kvguard.adapters.vllm.config`).
 
     With a sliding-window, chunked-local or R-SWA group, the blocks vLLM frees while a
-    request runs are
-    released without knowing whether their steps passed (the guarded schedulers know):
-    unvalidated ones are quarantined, and must not be named in a later
-    ``validate_step``."""
+    request runs are released without knowing whether their steps passed (the guarded
+    schedulers know): unvalidated ones are quarantined, and must not be named in a
+    later ``validate_step``."""
     manager = KVCacheManager(**kwargs)
     install_guarded_pool(manager, guard if guard is not None else GuardConfig.from_env())
     return manager

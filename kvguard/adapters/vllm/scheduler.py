@@ -397,13 +397,10 @@ class _GuardMixin:
     def _kvguard_fill_settled(self, request_id: str, num_tokens: int) -> bool:
         """Whether blocks covering the request's first ``num_tokens`` tokens, cached
         while vLLM processes an output, were written by steps that all reported and
-        were counted clean (failing requests never get here: vLLM caches for running
-        ones only). What reported is counted from kvguard's ledger."""
-        if (
-            request_id in self._kvguard_unchecked
-            or request_id in self._kvguard_failing
-            or request_id in self._kvguard_carry
-        ):
+        were counted clean (a failing request was finished before vLLM processes the
+        output, and vLLM caches for running ones only). What reported is counted from
+        kvguard's ledger."""
+        if request_id in self._kvguard_unchecked or request_id in self._kvguard_carry:
             return False
         request = self.requests.get(request_id)
         if request is None:
