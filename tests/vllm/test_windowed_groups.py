@@ -46,7 +46,7 @@ def _tables(s: Any, req_id: str) -> tuple[list[int], ...]:
 
 
 def _windowed_table(s: Any, req_id: str) -> list[int]:
-    """The sliding-window group's block table (the last group in these tests)."""
+    """The windowed group's block table (the last group in these tests)."""
     return _tables(s, req_id)[-1]
 
 
