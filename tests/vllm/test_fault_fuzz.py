@@ -2,17 +2,21 @@
 the KV bytes.
 
 Each trace runs requests with shared prefixes through a small pool (so vLLM preempts),
-chunked prefill and decode, on full-attention, sliding-window and chunked-local
-groups, sync and async, while outputs randomly carry NaN counts, come back without a
-count, and clients abort requests mid-step. The test keeps its own record of every KV
-slot: which step wrote it, for which token prefix, and what became of that step
-(clean, NaN, unchecked, or dropped because its request was preempted, aborted or
-finished before the output arrived). At every step it checks what DESIGN.md promises:
+chunked prefill and decode, on full-attention, sliding-window, chunked-local and R-SWA
+groups, sync and async, with prefix caching on and off, and optionally behind the
+guarded offloading connector, while outputs randomly carry NaN counts, come back
+without a count, and clients abort requests (mid-step under async). The test keeps its
+own record of every KV slot: which step wrote it, for which token prefix, and what
+became of that step (clean, NaN, unchecked, or dropped because its request was
+preempted, aborted or finished before the output arrived). At every step it checks
+what DESIGN.md promises:
 
 * every request reads, below its computed tokens, only KV of its own token prefix
-  written by steps known clean (or by its own step still in flight);
+  written by steps known clean (or by its own step still in flight or unchecked);
 * a block handed out fresh that holds KV of a NaN or dropped step is in that step's
   ``new_block_ids_to_zero``, and a zeroed block is held by its new owner alone;
+* every store job copies complete KV of clean steps, and KV loaded back from the CPU
+  tier passes the read check above;
 * kvguard's invariants and the adapter's consistency checks hold after every step,
   and when the trace ends every block but vLLM's null block is back, unreferenced.
 """
@@ -361,15 +365,16 @@ def test_random_fault_traces_keep_every_promise(
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("groups", SHAPES, ids=["+".join(g) for g in SHAPES])
 def test_random_fault_traces_with_the_guarded_offloading_connector(
-    async_scheduling: bool,
+    groups: tuple[str, ...], async_scheduling: bool
 ) -> None:
     """The same traces with vLLM's CPU offloading behind kvguard's gate: every store
     job copies complete KV of clean steps, and what later loads back from the CPU tier
     (the small GPU pool evicts) passes the same read checks."""
     totals: dict[str, int] = {}
-    for seed in range(4):
-        trace = FaultTrace(("full",), async_scheduling, seed, offload=True)
+    for seed in range(3):
+        trace = FaultTrace(groups, async_scheduling, seed, offload=True)
         for key, value in trace.run().items():
             totals[key] = totals.get(key, 0) + value
     assert totals["nan"] > 0 and totals["preempted"] > 0 and totals["aborted"] > 0
