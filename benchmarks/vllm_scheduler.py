@@ -17,6 +17,11 @@ Goal: guarded / stock <= 1.02. Run::
 (default 8..63: short answers, so admissions, prefill chunks and frees -- the guard's
 per-block work -- weigh more than in a decode-heavy serving mix).
 
+``--groups full,sliding`` runs a model with those KV cache groups instead of one
+full-attention group (``full``, ``sliding``, ``chunked``, ``rswa``: a hybrid model's
+window or local-chunk frees go through the guard's window wrapper; ``--window`` sets
+their size in tokens, default 256).
+
 ``--control`` runs stock vLLM on both sides: the ratio this method reports for two
 identical schedulers, i.e. its own bias and noise floor on the machine at hand.
 """
@@ -52,10 +57,12 @@ class Side:
         self.scheduler: Any = make_scheduler(
             guarded=guarded,
             async_scheduling=args.async_scheduling,
-            num_blocks=args.blocks,
+            num_blocks=args.blocks or 2048 * len(args.groups),
             max_num_batched_tokens=512,
             max_num_seqs=64,
             kvguard={"check_invariants": False},
+            groups=args.groups,
+            window=args.window,
         )
         self.pending: list[Any] = []
         self.step_times: list[float] = []
@@ -109,7 +116,7 @@ def run_round(args: argparse.Namespace, repeat: int) -> tuple[Side, Side]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--requests", type=int, default=400)
-    parser.add_argument("--blocks", type=int, default=2048)
+    parser.add_argument("--blocks", type=int, default=None, help="default: 2048 per group")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--async-scheduling", action="store_true")
@@ -122,6 +129,13 @@ def main() -> None:
         help="output length of each request: drawn from [MIN, MAX)",
     )
     parser.add_argument(
+        "--groups",
+        type=lambda text: tuple(text.split(",")),
+        default=("full",),
+        help="KV cache groups of the model, comma-separated (full, sliding, chunked, rswa)",
+    )
+    parser.add_argument("--window", type=int, default=256, help="window / chunk, in tokens")
+    parser.add_argument(
         "--control", action="store_true", help="stock vLLM on both sides (the method's bias)"
     )
     args = parser.parse_args()
@@ -131,7 +145,8 @@ def main() -> None:
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
         f"Python {platform.python_version()}, vllm {vllm.__version__}, "
         f"{'async' if args.async_scheduling else 'sync'} scheduling, "
-        f"output tokens {args.output_tokens[0]}..{args.output_tokens[1] - 1}"
+        f"output tokens {args.output_tokens[0]}..{args.output_tokens[1] - 1}, "
+        f"KV cache groups {'+'.join(args.groups)}"
         + (", CONTROL RUN: stock vLLM on both sides" if args.control else "")
     )
     # The second side's name in the report ("stock#2" in a control run).

@@ -14,7 +14,14 @@ pytest.importorskip("vllm")
 
 
 @pytest.mark.parametrize(
-    "mode", [[], ["--async-scheduling"], ["--control"], ["--output-tokens", "64", "96"]]
+    "mode",
+    [
+        [],
+        ["--async-scheduling"],
+        ["--control"],
+        ["--output-tokens", "64", "96"],
+        ["--groups", "full,sliding", "--window", "64"],
+    ],
 )
 def test_scheduler_benchmark_runs_both_schedulers_on_one_trace(mode: list[str]) -> None:
     out = run_benchmark(
@@ -27,3 +34,5 @@ def test_scheduler_benchmark_runs_both_schedulers_on_one_trace(mode: list[str]) 
     assert "schedule():" in out and "update_from_output():" in out
     low, high = mode[1:] if "--output-tokens" in mode else ("8", "64")
     assert f"output tokens {low}..{int(high) - 1}" in out
+    groups = mode[1].replace(",", "+") if "--groups" in mode else "full"
+    assert f"KV cache groups {groups}" in out
