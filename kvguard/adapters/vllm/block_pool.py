@@ -130,6 +130,12 @@ class GuardedBlockPool(BlockPool):
         # clean -- (request id, tokens the blocks cover) -> bool -- instead of waiting
         # for a step that will never name them.
         self.settle_fills: Callable[[str, int], bool] | None = None
+        # Set by the guarded scheduler while vLLM frees blocks of a running request's
+        # window, local chunk or R-SWA gap (``remove_skipped_blocks``): the request,
+        # and what free_blocks asks about the blocks it frees before releasing them
+        # -- (request id, block ids) -> whether every step that wrote them passed.
+        self.window_request: str | None = None
+        self.on_window_free: Callable[[str, list[int]], bool] | None = None
         if not self.guard.enabled:
             # Pass-through: vLLM's own methods, bound on the instance, so that vLLM's
             # calls reach them directly -- a guard switched off costs no extra frame
@@ -420,7 +426,11 @@ class GuardedBlockPool(BlockPool):
         # -- unless they belong to a request leaving clean (freeing_clean_request) --
         # (it raises, changing nothing, on a double free); a publication waiting for
         # its step dies with the last reference.
-        core.release_blocks(ids, steps_passed=self.freeing_clean_request)
+        steps_passed = self.freeing_clean_request
+        window = self.window_request
+        if window is not None and self.on_window_free is not None:
+            steps_passed = self.on_window_free(window, ids)
+        core.release_blocks(ids, steps_passed=steps_passed)
         deferred = self._deferred
         if deferred:
             blocks = self.blocks

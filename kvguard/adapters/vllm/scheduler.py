@@ -155,79 +155,77 @@ class _GuardMixin:
     def _kvguard_guard_window_frees(self) -> None:
         """Sliding-window, chunked-local and R-SWA groups free blocks of a running
         request: those that left its window or local chunk, or R-SWA's gap between its
-        prompt and its window (vLLM's ``remove_skipped_blocks``). vLLM frees only blocks
-        below the request's *processed* tokens, so every step that wrote them has
-        reported: they are validated as they are freed -- not quarantined and zeroed --
-        unless the request's last reported step is not known clean, or it holds
-        connector-loaded KV no step vouched for yet."""
+        prompt and its window (vLLM's ``remove_skipped_blocks``). The wrapper only
+        names the request; the pool asks :meth:`_kvguard_window_free` about the blocks
+        vLLM actually frees (most calls free none)."""
         coordinator = self.kv_cache_manager.coordinator
         remove_skipped = coordinator.remove_skipped_blocks
-        managers = coordinator.single_type_managers
         pool = self.kvguard_pool
-        ledger = self._kvguard_ledger
-        checking = pool.guard.check_invariants
-
-        def held(request_id: str) -> set[int]:
-            return {b.block_id for group in coordinator.get_blocks(request_id) for b in group}
-
-        def processed_fills(request_id: str, processed: int, in_flight: set[int]) -> set[int]:
-            """In-flight fills of the request whose every token is processed."""
-            done = set()
-            for manager, blocks in zip(managers, coordinator.get_blocks(request_id), strict=True):
-                for block in blocks[: processed // manager.block_size]:
-                    if block.block_id in in_flight:
-                        done.add(block.block_id)
-            return done
+        pool.on_window_free = self._kvguard_window_free
 
         def remove_skipped_blocks(
             request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
         ) -> None:
-            carried = self._kvguard_carry.get(request_id)
-            clean = not carried and self._kvguard_reported_clean(request_id)
-            in_flight = set(ledger.fills_in_flight(request_id))
-            request = self.requests.get(request_id)
-            if in_flight and clean and request is not None:
-                # Under async scheduling the step that cached a block (the one after
-                # the step that completed it) may still be in flight when a local
-                # chunk's boundary frees the block. Every write into it reported
-                # clean: validate and publish it now, not at that step's output (by
-                # then the block may be someone else's). What reported is counted
-                # from kvguard's own ledger, not taken from vLLM's argument.
-                reported = request.num_computed_tokens - ledger.tokens_in_flight(request_id)
-                processed = min(processed_computed_tokens, reported)
-                done = processed_fills(request_id, processed, in_flight)
-                if done:
-                    pool.validate_step(*ledger.take_fills(request_id, done))
-                    in_flight -= done
-            pool.freeing_clean_request = clean
+            pool.window_request = request_id
             try:
                 remove_skipped(request_id, processed_computed_tokens, num_prompt_tokens)
             finally:
-                pool.freeing_clean_request = False
-            if in_flight:
-                stray = in_flight - held(request_id)
-                if stray:
-                    # vLLM's contract (processed tokens only) keeps a window off blocks
-                    # a step in flight writes; a request not known clean had these
-                    # quarantined as they were freed: its steps must not validate them.
-                    assert not (checking and clean), (
-                        f"the window freed blocks {sorted(stray)} that a step in flight fills"
-                    )
-                    ledger.take_fills(request_id, stray)
-            if carried:
-                # Loaded blocks the window dropped (quarantined above) are no longer
-                # the request's to vouch for.
-                held_ids = held(request_id)
-                kept = [b for b in carried if b in held_ids]
-                for block_id in carried:
-                    if block_id not in held_ids:
-                        self._kvguard_carry_publications.pop(block_id, None)
-                if kept:
-                    self._kvguard_carry[request_id] = kept
-                else:
-                    del self._kvguard_carry[request_id]
+                pool.window_request = None
 
         coordinator.remove_skipped_blocks = remove_skipped_blocks
+
+    def _kvguard_window_free(self, request_id: str, block_ids: list[int]) -> bool:
+        """vLLM frees these blocks of a running request's window (before releasing
+        them): whether every step that wrote them passed.
+
+        vLLM frees only blocks below the request's *processed* tokens, so every step
+        that wrote them has reported: they are validated as they are released -- not
+        quarantined and zeroed -- unless the request's last reported step is not known
+        clean, or it holds connector-loaded KV no step vouched for yet.
+
+        Under async scheduling the step that *cached* a block (the one after the step
+        that completed it, once its last token was known) may still be in flight when
+        a local chunk's end frees it. When the request is clean such blocks are
+        validated and published now, not at that step's output (by then the block
+        may be someone else's); either way they leave that step's record. A block
+        whose cached tokens reach past what kvguard's ledger counts as reported is
+        one a step in flight may still write: vLLM's contract is broken, and the
+        blocks are quarantined (an assertion under ``check_invariants``).
+        """
+        ledger = self._kvguard_ledger
+        carried = self._kvguard_carry.get(request_id)
+        clean = not carried and self._kvguard_reported_clean(request_id)
+        freed = set(block_ids)
+        in_flight = {b for b in ledger.fills_in_flight(request_id) if b in freed}
+        if in_flight:
+            pool = self.kvguard_pool
+            request = self.requests.get(request_id)
+            reported = -1
+            if request is not None:
+                reported = request.num_computed_tokens - ledger.tokens_in_flight(request_id)
+            blocks = pool.blocks
+            unreported = sorted(b for b in in_flight if blocks[b].num_hash_tokens > reported)
+            if unreported:
+                assert not (clean and pool.guard.check_invariants), (
+                    f"the window freed blocks {unreported} that a step in flight fills"
+                )
+                clean = False
+            taken, publications = ledger.take_fills(request_id, in_flight)
+            if clean:
+                pool.validate_step(taken, publications)
+        if carried:
+            # Loaded blocks the window drops (quarantined: not clean) are no longer the
+            # request's to vouch for.
+            held = self._kvguard_carry_publications
+            for block_id in carried:
+                if block_id in freed:
+                    held.pop(block_id, None)
+            kept = [b for b in carried if b not in freed]
+            if kept:
+                self._kvguard_carry[request_id] = kept
+            else:
+                del self._kvguard_carry[request_id]
+        return clean
 
     def _kvguard_reported_clean(self, request_id: str) -> bool:
         """Whether every step of the request that reported back was counted clean."""
