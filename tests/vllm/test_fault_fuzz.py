@@ -107,6 +107,7 @@ class FaultTrace:
         seed: int,
         prefix_caching: bool = True,
         offload: bool = False,
+        load_failure_policy: str | None = None,
     ) -> None:
         self.rng = rng = random.Random(seed)
         self.async_scheduling = async_scheduling
@@ -117,9 +118,17 @@ class FaultTrace:
             num_blocks=12 if groups == ("chunked",) else 22,
             max_num_seqs=8,
             prefix_caching=prefix_caching,
-            kv_transfer_config=transfer_config() if offload else None,
+            kv_transfer_config=(
+                transfer_config(load_failure_policy=load_failure_policy or "fail")
+                if offload
+                else None
+            ),
         )
         self.offload = offload
+        # Loads fail now and then (a suffix of the job's blocks is never written).
+        self.load_failures = load_failure_policy is not None
+        self.invalid: dict[int, list[int]] = {}
+        """Load job id -> the GPU blocks it failed to fill."""
         # The CPU tier (offloading): chunk id -> the slots a finished store copied.
         self.cpu: dict[int, list[tuple[int, Writer] | None]] = {}
         self.stores: dict[int, list[tuple[int, list[tuple[int, Writer] | None]]]] = {}
@@ -149,6 +158,7 @@ class FaultTrace:
             "hit_tokens": 0,
             "stored": 0,
             "loaded": 0,
+            "load_failures": 0,
         }
 
     def run(self) -> dict[str, int]:
@@ -242,23 +252,32 @@ class FaultTrace:
                     assert fate == "clean", f"a store job copies block {b} of a {fate} step"
                 snapshot.append((c, list(slots)))
             self.stores[job_id] = snapshot
-        for job in meta.load_jobs.values():
+        for job_id, job in meta.load_jobs.items():
             src = [int(c) for c in job.src_spec.block_ids]
             dst = [int(b) for b in job.dst_spec.block_ids]
-            for c, b in zip(src, dst, strict=True):
+            cut = len(dst)
+            if self.load_failures and self.rng.random() < 0.5:
+                cut = self.rng.randrange(len(dst))
+                self.invalid[job_id] = dst[cut:]
+                self.seen["load_failures"] += 1
+            for c, b in zip(src[:cut], dst[:cut], strict=True):
                 assert c in self.cpu, f"a load job reads CPU chunk {c}, never stored"
                 self.kv.slots[b] = list(self.cpu[c])
-            self.seen["loaded"] += len(dst)
+            for b in dst[cut:]:
+                self.kv.zero(b)  # unknown bytes: never to be read
+            self.seen["loaded"] += cut
 
-    def transfers_done(self, so: Any) -> tuple[list[int], list[str]]:
-        """The workers finish every job of the step with its output."""
+    def transfers_done(self, so: Any) -> tuple[list[int], list[str], list[int]]:
+        """The workers finish every job of the step with its output (the blocks of
+        failed loads reported invalid)."""
         meta = so.kv_connector_metadata
         for job_id in meta.store_jobs:
             snapshot = self.stores.pop(job_id)
             self.cpu.update(snapshot)
             self.seen["stored"] += len(snapshot)
         done = [*meta.store_jobs, *meta.load_jobs]
-        return done, [job.req_id for job in meta.load_jobs.values()]
+        invalid = [b for job_id in meta.load_jobs for b in self.invalid.pop(job_id, ())]
+        return done, [job.req_id for job in meta.load_jobs.values()], invalid
 
     def check_zeroed_blocks_have_one_owner(self, zeroed: set[int]) -> None:
         owners: dict[int, set[str]] = {}
@@ -302,8 +321,10 @@ class FaultTrace:
                 elif roll < 0.05:
                     uncounted.append(req_id)
         if self.offload:
-            completed, received = self.transfers_done(so)
-            output = connector_output(s, so, nans, completed=completed, recved=received)
+            completed, received, invalid = self.transfers_done(so)
+            output = connector_output(
+                s, so, nans, completed=completed, recved=received, invalid=invalid
+            )
         else:
             output = model_output(s, so, nans)
         for req_id in uncounted:
@@ -379,3 +400,20 @@ def test_random_fault_traces_with_the_guarded_offloading_connector(
             totals[key] = totals.get(key, 0) + value
     assert totals["nan"] > 0 and totals["preempted"] > 0 and totals["aborted"] > 0
     assert totals["stored"] > 0 and totals["loaded"] > 0
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_random_fault_traces_with_kv_load_failures(async_scheduling: bool, policy: str) -> None:
+    """Loads from the CPU tier that fail part-way (the worker reports the blocks it did
+    not fill): under vLLM's ``fail`` policy the request ends, under ``recompute`` it
+    recomputes them; either way no request ever reads those blocks' bytes, none is
+    published, and everything else holds."""
+    totals: dict[str, int] = {}
+    for seed in range(4):
+        trace = FaultTrace(
+            ("full",), async_scheduling, seed, offload=True, load_failure_policy=policy
+        )
+        for key, value in trace.run().items():
+            totals[key] = totals.get(key, 0) + value
+    assert totals["load_failures"] > 0 and totals["loaded"] > 0

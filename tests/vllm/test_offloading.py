@@ -42,7 +42,9 @@ PROMPT = list(range(1000, 1000 + 4 * BLOCK))  # 4 full blocks
 STORABLE = {BlockState.VALIDATED, BlockState.PUBLISHED, BlockState.OFFLOADED}
 
 
-def transfer_config(connector: str = "GuardedOffloadingConnector") -> KVTransferConfig:
+def transfer_config(
+    connector: str = "GuardedOffloadingConnector", load_failure_policy: str = "fail"
+) -> KVTransferConfig:
     return KVTransferConfig(
         kv_connector=connector,
         kv_role="kv_both",
@@ -50,6 +52,7 @@ def transfer_config(connector: str = "GuardedOffloadingConnector") -> KVTransfer
             "kvguard.adapters.vllm.offloading" if connector.startswith("Guarded") else None
         ),
         kv_connector_extra_config={"cpu_bytes_to_use": 1 << 20},
+        kv_load_failure_policy=load_failure_policy,
     )
 
 
@@ -64,11 +67,14 @@ def output(
     *,
     completed: Iterable[int] = (),
     recved: Iterable[str] = (),
+    invalid: Iterable[int] = (),
 ) -> Any:
-    """The model runner's output, with the workers' report of finished transfer jobs."""
+    """The model runner's output, with the workers' report of finished transfer jobs
+    (``invalid``: GPU blocks a load failed to fill)."""
     mo = model_output(s, so, nans)
     mo.kv_connector_output = KVConnectorOutput(
         finished_recving=set(recved) or None,
+        invalid_block_ids=set(invalid),
         kv_connector_worker_meta=OffloadingWorkerMetadata(
             completed_jobs=dict.fromkeys(completed, 1)
         ),
@@ -343,3 +349,63 @@ def test_package_exports_the_connector() -> None:
     import kvguard.adapters.vllm as adapter
 
     assert adapter.GuardedOffloadingConnector is GuardedOffloadingConnector
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_kv_load_failure_keeps_vllms_handling_and_publishes_nothing_unloaded(
+    policy: str,
+) -> None:
+    """A load from the CPU tier fails for its second block (the worker reports it in
+    ``invalid_block_ids``): the guarded scheduler takes vLLM's decisions -- the
+    request fails under ``fail``, recomputes from the failed block under
+    ``recompute`` -- and the block the load did not fill is never published; after
+    the recompute it is validated like any block its step filled."""
+
+    def run(guarded: bool) -> tuple[list[object], Any]:
+        s = make_scheduler(
+            guarded=guarded,
+            kv_transfer_config=transfer_config(
+                "GuardedOffloadingConnector" if guarded else "OffloadingConnector",
+                load_failure_policy=policy,
+            ),
+        )
+        s.add_request(make_request("a", PROMPT, max_tokens=1))
+        for _ in range(3):  # a runs; its blocks are stored (the workers finish at once)
+            so = s.schedule()
+            s.update_from_output(so, output(s, so, completed=store_blocks(so)))
+        assert tier_state(s, PROMPT) == [HIT] * 4
+        assert s.reset_prefix_cache()
+        s.add_request(make_request("retry", PROMPT + [7] * 5, max_tokens=2))
+        so = s.schedule()
+        ((load_id, load),) = so.kv_connector_metadata.load_jobs.items()
+        dst = [int(b) for b in load.dst_spec.block_ids]
+        assert len(dst) == 4
+        trace: list[object] = []
+        out = s.update_from_output(
+            so, output(s, so, completed=[load_id], recved=["retry"], invalid=dst[1:2])
+        )
+        trace.append(finish_reasons(out))
+        recomputing = guarded and policy == "recompute"
+        for i in range(4):
+            so = s.schedule()
+            trace.append(dict(so.num_scheduled_tokens))
+            if recomputing and i == 0:
+                # The step recomputing it is scheduled: still not a hit.
+                assert s.kvguard_pool.core.block_state(dst[1]) is BlockState.WRITTEN
+            out = s.update_from_output(so, output(s, so))
+            trace.append(finish_reasons(out))
+            if recomputing and i == 0:  # that step's clean output validated it
+                assert s.kvguard_pool.core.block_state(dst[1]) is BlockState.PUBLISHED
+        return trace, s
+
+    stock_trace, _ = run(guarded=False)
+    guarded_trace, s = run(guarded=True)
+    assert guarded_trace == stock_trace
+    if policy == "fail":
+        assert stock_trace[0] == {"retry": "error"}
+    else:
+        assert stock_trace[1] == {"retry": 3 * BLOCK + 5}  # recomputed from block 1
+        assert {"retry": "length"} in stock_trace
+    s.kvguard_pool.check_consistency()
+    stats = s.kvguard_stats()
+    assert stats["blocks_quarantined"] == 0
