@@ -59,19 +59,22 @@ SHAPES = [
 
 Writer = tuple[int, str, int]
 """(step, request id, incarnation of the request) that wrote a KV slot."""
+Slot = tuple[int, Writer] | None
+"""What one KV slot holds: (the token prefix's id, its writer), or None (zeroed, never
+written, or bytes a failed load left unknown)."""
 
 
 @dataclass
 class KvModel:
     """What each block's slots hold, and what became of the steps that wrote them."""
 
-    slots: dict[int, list[tuple[int, Writer] | None]] = field(default_factory=dict)
+    slots: dict[int, list[Slot]] = field(default_factory=dict)
     fate: dict[Writer, str] = field(default_factory=dict)
     """"pending", "clean", "unchecked", "nan" or "dropped"."""
     unchecked: dict[tuple[str, int], list[Writer]] = field(default_factory=dict)
     """Writers counted neither way, per request incarnation, until a step vouches."""
 
-    def slot(self, block_id: int, offset: int) -> tuple[int, Writer] | None:
+    def slot(self, block_id: int, offset: int) -> Slot:
         return self.slots.setdefault(block_id, [None] * BLOCK)[offset]
 
     def write(self, block_id: int, offset: int, prefix: int, writer: Writer) -> None:
@@ -130,8 +133,8 @@ class FaultTrace:
         self.invalid: dict[int, list[int]] = {}
         """Load job id -> the GPU blocks it failed to fill."""
         # The CPU tier (offloading): chunk id -> the slots a finished store copied.
-        self.cpu: dict[int, list[tuple[int, Writer] | None]] = {}
-        self.stores: dict[int, list[tuple[int, list[tuple[int, Writer] | None]]]] = {}
+        self.cpu: dict[int, list[Slot]] = {}
+        self.stores: dict[int, list[tuple[int, list[Slot]]]] = {}
         """Store job id -> (CPU chunk, the slots it copies), until the job finishes."""
         self.manager = self.s.kv_cache_manager
         prefixes = [[rng.randrange(1000, 50_000) for _ in range(2 * BLOCK)] for _ in range(3)]
