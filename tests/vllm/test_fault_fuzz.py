@@ -43,8 +43,8 @@ from .harness import (  # noqa: E402
     make_scheduler,
     model_output,
 )
+from .test_offloading import offloading_metadata, transfer_config  # noqa: E402
 from .test_offloading import output as connector_output  # noqa: E402
-from .test_offloading import transfer_config  # noqa: E402
 
 NULL = 0
 TOKEN = 5  # what model_output samples for every request
@@ -111,6 +111,7 @@ class FaultTrace:
         prefix_caching: bool = True,
         offload: bool = False,
         load_failure_policy: str | None = None,
+        multi: bool = False,
     ) -> None:
         self.rng = rng = random.Random(seed)
         self.async_scheduling = async_scheduling
@@ -122,7 +123,7 @@ class FaultTrace:
             max_num_seqs=8,
             prefix_caching=prefix_caching,
             kv_transfer_config=(
-                transfer_config(load_failure_policy=load_failure_policy or "fail")
+                transfer_config(load_failure_policy=load_failure_policy or "fail", multi=multi)
                 if offload
                 else None
             ),
@@ -192,6 +193,8 @@ class FaultTrace:
         assert by_state[BlockState.WRITTEN] == 0
         assert by_state[BlockState.ALLOCATED] == 1  # the null block
         s.kvguard_pool.check_consistency()
+        if self.seen["stored"]:  # the connector's counters reach the scheduler's stats
+            assert s.kvguard_stats()["offload_chunks_stored"] > 0
         return self.seen
 
     def retire(self, req_id: str) -> None:
@@ -242,7 +245,7 @@ class FaultTrace:
         """The workers' copies for this step: each store job's source blocks must hold
         complete KV of steps known clean (the offload gate); each load job writes what
         the CPU tier holds into its GPU blocks."""
-        meta = so.kv_connector_metadata
+        meta = offloading_metadata(so)
         for job_id, job in meta.store_jobs.items():
             src = [int(b) for b in job.src_spec.block_ids]
             dst = [int(c) for c in job.dst_spec.block_ids]
@@ -273,7 +276,7 @@ class FaultTrace:
     def transfers_done(self, so: Any) -> tuple[list[int], list[str], list[int]]:
         """The workers finish every job of the step with its output (the blocks of
         failed loads reported invalid)."""
-        meta = so.kv_connector_metadata
+        meta = offloading_metadata(so)
         for job_id in meta.store_jobs:
             snapshot = self.stores.pop(job_id)
             self.cpu.update(snapshot)
@@ -396,9 +399,22 @@ def test_random_fault_traces_with_the_guarded_offloading_connector(
     """The same traces with vLLM's CPU offloading behind kvguard's gate: every store
     job copies complete KV of clean steps, and what later loads back from the CPU tier
     (the small GPU pool evicts) passes the same read checks."""
+    _offloading_traces(groups, async_scheduling, multi=False)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("groups", [("full",), ("full", "sliding")], ids=["full", "full+sliding"])
+def test_random_fault_traces_with_the_connector_inside_a_multi_connector(
+    groups: tuple[str, ...], async_scheduling: bool
+) -> None:
+    """The guarded offloading connector as a child of vLLM's ``MultiConnector``."""
+    _offloading_traces(groups, async_scheduling, multi=True)
+
+
+def _offloading_traces(groups: tuple[str, ...], async_scheduling: bool, multi: bool) -> None:
     totals: dict[str, int] = {}
     for seed in range(3):
-        trace = FaultTrace(groups, async_scheduling, seed, offload=True)
+        trace = FaultTrace(groups, async_scheduling, seed, offload=True, multi=multi)
         for key, value in trace.run().items():
             totals[key] = totals.get(key, 0) + value
     assert totals["nan"] > 0 and totals["preempted"] > 0 and totals["aborted"] > 0

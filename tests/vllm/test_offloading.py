@@ -18,6 +18,11 @@ pytest.importorskip("vllm")
 
 from vllm.config import KVTransferConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (  # noqa: E402
+    MultiConnector,
+    MultiKVConnectorMetadata,
+    MultiKVConnectorWorkerMetadata,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (  # noqa: E402
     OffloadingWorkerMetadata,
 )
@@ -43,17 +48,28 @@ STORABLE = {BlockState.VALIDATED, BlockState.PUBLISHED, BlockState.OFFLOADED}
 
 
 def transfer_config(
-    connector: str = "GuardedOffloadingConnector", load_failure_policy: str = "fail"
+    connector: str = "GuardedOffloadingConnector",
+    load_failure_policy: str = "fail",
+    *,
+    multi: bool = False,
 ) -> KVTransferConfig:
-    return KVTransferConfig(
-        kv_connector=connector,
-        kv_role="kv_both",
-        kv_connector_module_path=(
+    """The offloading connector's config; ``multi``: inside vLLM's ``MultiConnector``."""
+    child = {
+        "kv_connector": connector,
+        "kv_role": "kv_both",
+        "kv_connector_module_path": (
             "kvguard.adapters.vllm.offloading" if connector.startswith("Guarded") else None
         ),
-        kv_connector_extra_config={"cpu_bytes_to_use": 1 << 20},
-        kv_load_failure_policy=load_failure_policy,
-    )
+        "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 20},
+    }
+    if multi:
+        return KVTransferConfig(
+            kv_connector="MultiConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"connectors": [child]},
+            kv_load_failure_policy=load_failure_policy,
+        )
+    return KVTransferConfig(**child, kv_load_failure_policy=load_failure_policy)
 
 
 def offload_scheduler(*, connector: str = "GuardedOffloadingConnector", **kwargs: Any) -> Any:
@@ -72,19 +88,26 @@ def output(
     """The model runner's output, with the workers' report of finished transfer jobs
     (``invalid``: GPU blocks a load failed to fill)."""
     mo = model_output(s, so, nans)
+    meta: Any = OffloadingWorkerMetadata(completed_jobs=dict.fromkeys(completed, 1))
+    if isinstance(s.connector, MultiConnector):
+        meta = MultiKVConnectorWorkerMetadata(metadata=(meta,))
     mo.kv_connector_output = KVConnectorOutput(
         finished_recving=set(recved) or None,
         invalid_block_ids=set(invalid),
-        kv_connector_worker_meta=OffloadingWorkerMetadata(
-            completed_jobs=dict.fromkeys(completed, 1)
-        ),
+        kv_connector_worker_meta=meta,
     )
     return mo
 
 
+def offloading_metadata(so: Any) -> Any:
+    """The step's offloading connector metadata (inside a MultiConnector's, if any)."""
+    meta = so.kv_connector_metadata
+    return meta.metadata[0] if isinstance(meta, MultiKVConnectorMetadata) else meta
+
+
 def store_blocks(so: Any) -> dict[int, list[int]]:
     """Store job id -> GPU blocks it copies, as sent to the workers."""
-    jobs = so.kv_connector_metadata.store_jobs
+    jobs = offloading_metadata(so).store_jobs
     return {j: [int(b) for b in job.src_spec.block_ids] for j, job in jobs.items()}
 
 
@@ -335,6 +358,10 @@ def test_plugin_selects_the_guarded_connector() -> None:
     s = offload_scheduler(connector="OffloadingConnector")
     assert isinstance(s.connector, GuardedOffloadingConnector)
     assert issubclass(GuardedOffloadingConnector, OffloadingConnector)
+    # Inside a MultiConnector too (vLLM resolves its children through the factory).
+    s = make_scheduler(kv_transfer_config=transfer_config("OffloadingConnector", multi=True))
+    (child,) = s.connector.sub_connectors
+    assert isinstance(child, GuardedOffloadingConnector)
 
 
 def test_guarded_scheduler_warns_about_the_stock_connector(
@@ -342,6 +369,15 @@ def test_guarded_scheduler_warns_about_the_stock_connector(
 ) -> None:
     s = offload_scheduler(connector="OffloadingConnector")
     assert type(s.connector) is OffloadingConnector
+    assert "kv_connector='GuardedOffloadingConnector'" in caplog.text
+
+
+def test_guarded_scheduler_warns_about_the_stock_connector_inside_a_multi_connector(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    s = make_scheduler(kv_transfer_config=transfer_config("OffloadingConnector", multi=True))
+    (child,) = s.connector.sub_connectors
+    assert type(child) is OffloadingConnector
     assert "kv_connector='GuardedOffloadingConnector'" in caplog.text
 
 

@@ -138,13 +138,20 @@ class _GuardMixin:
                 "turn worker-side zeroing on."
             )
 
-    def _kvguard_check_connector(self) -> None:
+    def _kvguard_connectors(self) -> list[Any]:
+        """The scheduler's KV connector, or the connectors inside a ``MultiConnector``."""
         connector = getattr(self, "connector", None)
-        if connector is None or type(connector).__name__ != "OffloadingConnector":
+        if connector is None:
+            return []
+        return [connector, *getattr(connector, "sub_connectors", ())]
+
+    def _kvguard_check_connector(self) -> None:
+        stock = [c for c in self._kvguard_connectors() if type(c).__name__ == "OffloadingConnector"]
+        if not stock:
             return
         from .offloading import is_stock_offloading_connector
 
-        if is_stock_offloading_connector(connector):
+        if any(is_stock_offloading_connector(c) for c in stock):
             logger.warning(
                 "kvguard: vLLM's OffloadingConnector stores KV of steps that are not "
                 "validated yet to its CPU tier. Use kv_connector='GuardedOffloadingConnector' "
@@ -491,9 +498,11 @@ class _GuardMixin:
             out["blocks_published"] = counters.blocks_published
             out["stores_started"] = counters.stores_started
             out["stores_acknowledged"] = counters.stores_acknowledged
-        stats = getattr(getattr(self, "connector", None), "kvguard_stats", None)
-        if stats is not None:
-            out.update(stats())
+        for connector in self._kvguard_connectors():  # (several inside a MultiConnector)
+            stats = getattr(connector, "kvguard_stats", None)
+            if stats is not None:
+                for name, value in stats().items():
+                    out[name] = out.get(name, 0) + value
         return out
 
 
