@@ -317,6 +317,31 @@ def test_a_window_free_of_blocks_a_step_in_flight_fills_is_caught() -> None:
         s.kv_cache_manager.coordinator.remove_skipped_blocks("a", len(PROMPT))
 
 
+def test_a_window_free_of_blocks_a_step_in_flight_fills_quarantines_them() -> None:
+    """The same broken contract without ``check_invariants``: the freed blocks are
+    quarantined, not validated, and the steps in flight forget them -- their outputs,
+    clean, validate nothing freed."""
+    s = make_scheduler(
+        groups=("sliding",),
+        async_scheduling=True,
+        max_num_batched_tokens=BLOCK,
+        kvguard={"check_invariants": False},
+    )
+    s.add_request(make_request("a", PROMPT))
+    so1 = s.schedule()
+    so2 = s.schedule()  # two prefill chunks in flight, each filling a block
+    filled = list(_windowed_table(s, "a"))[:2]
+    s.kv_cache_manager.coordinator.remove_skipped_blocks("a", len(PROMPT))
+    freed = _window_freed(s, "a", filled)
+    assert freed == filled
+    core = s.kvguard_pool.core
+    assert {core.block_state(b) for b in freed} == {BlockState.QUARANTINED}
+    for so in (so1, so2):
+        s.update_from_output(so, model_output(s, so))
+    assert {core.block_state(b) for b in freed} == {BlockState.QUARANTINED}
+    s.kvguard_pool.check_consistency()
+
+
 LOCAL = [("chunked",), ("full", "chunked")]
 SHORT = list(range(6000, 6040))  # 2.5 blocks: decoding reaches the local chunk's end
 
