@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -197,6 +198,23 @@ def hit_tokens(scheduler_output: Any) -> dict[str, int]:
 
 
 Arrivals = Mapping[int, tuple[str, list[int], int]]
+
+
+def shared_prefix_arrivals(
+    seed: int, requests: int, max_suffix: int, output_tokens: tuple[int, int]
+) -> Arrivals:
+    """A clean trace's arrivals: one request every 4 steps, each a 2-block prefix
+    shared by all plus 1..``max_suffix - 1`` random tokens, its output length drawn
+    from ``output_tokens``."""
+    rng = random.Random(seed)
+    shared = list(range(9000, 9000 + 2 * BLOCK))
+    arrivals = {}
+    for i in range(requests):
+        suffix = [rng.randrange(50_000) for _ in range(rng.randrange(1, max_suffix))]
+        arrivals[4 * i] = (f"r{i}", shared + suffix, rng.randrange(*output_tokens))
+    return arrivals
+
+
 """Step -> (request id, prompt, max tokens) of the request added before that step."""
 
 

@@ -21,6 +21,7 @@ from .harness import (  # noqa: E402
     make_request,
     make_scheduler,
     model_output,
+    shared_prefix_arrivals,
 )
 
 PROMPT = list(range(2000, 2000 + 3 * BLOCK + 5))
@@ -127,12 +128,7 @@ def test_zeroed_blocks_never_hold_validated_kv() -> None:
 def test_clean_trace_same_decisions_as_stock_vllm(async_scheduling: bool) -> None:
     """No NaN and no shared prefix admitted while its sharer is unchecked: the guarded
     scheduler decides exactly what stock vLLM decides."""
-    rng = random.Random(3)
-    shared = list(range(9000, 9000 + 2 * BLOCK))
-    arrivals = {}
-    for i in range(12):
-        suffix = [rng.randrange(50_000) for _ in range(rng.randrange(1, 3 * BLOCK))]
-        arrivals[4 * i] = (f"r{i}", shared + suffix, rng.randrange(1, 6))
+    arrivals = shared_prefix_arrivals(3, 12, 3 * BLOCK, (1, 6))
     runs: list[list[object]] = []
     for guarded in (False, True):
         s = make_scheduler(guarded=guarded, async_scheduling=async_scheduling, num_blocks=40)

@@ -10,7 +10,6 @@ step is not known clean has them quarantined.
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
 import pytest
@@ -29,6 +28,7 @@ from .harness import (  # noqa: E402
     make_request,
     make_scheduler,
     model_output,
+    shared_prefix_arrivals,
     step,
 )
 
@@ -214,12 +214,7 @@ def test_without_prefix_caching_window_frees_after_an_unchecked_step_are_quarant
 def test_clean_trace_same_decisions_as_stock_vllm(
     groups: tuple[str, ...], async_scheduling: bool
 ) -> None:
-    rng = random.Random(11)
-    shared = list(range(9000, 9000 + 2 * BLOCK))
-    arrivals = {}
-    for i in range(10):
-        suffix = [rng.randrange(50_000) for _ in range(rng.randrange(1, 4 * BLOCK))]
-        arrivals[4 * i] = (f"r{i}", shared + suffix, rng.randrange(10, 40))
+    arrivals = shared_prefix_arrivals(11, 10, 4 * BLOCK, (10, 40))
     runs: list[list[object]] = []
     for guarded in (False, True):
         s = make_scheduler(
