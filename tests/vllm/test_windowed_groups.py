@@ -334,6 +334,7 @@ def test_a_window_free_of_blocks_a_step_in_flight_fills_quarantines_them() -> No
     for so in (so1, so2):
         s.update_from_output(so, model_output(s, so))
     assert {core.block_state(b) for b in freed} == {BlockState.QUARANTINED}
+    assert s.kvguard_stats()["window_contract_breaks"] == 1
     s.kvguard_pool.check_consistency()
 
 

@@ -35,6 +35,9 @@ class GuardMetrics:
     by a later step of the request that is counted clean."""
     blocks_zeroed: int = 0
     """Block ids handed to the worker through ``new_block_ids_to_zero``."""
+    window_contract_breaks: int = 0
+    """Window frees of blocks a step in flight may still write (vLLM frees only below
+    a request's processed tokens): the blocks were quarantined. Expected to stay 0."""
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -47,6 +50,9 @@ _HELP = {
         "Per-request steps without a NaN count (their blocks wait for a counted step)"
     ),
     "blocks_zeroed": "Block ids sent to the workers in new_block_ids_to_zero",
+    "window_contract_breaks": (
+        "Window frees of blocks a step in flight may still write (quarantined)"
+    ),
 }
 
 _lock = threading.Lock()

@@ -213,9 +213,11 @@ class _GuardMixin:
             blocks = pool.blocks
             unreported = sorted(b for b in in_flight if blocks[b].num_hash_tokens > reported)
             if unreported:
-                assert not (clean and pool.guard.check_invariants), (
-                    f"the window freed blocks {unreported} that a step in flight fills"
-                )
+                message = f"the window freed blocks {unreported} that a step in flight fills"
+                assert not (clean and pool.guard.check_invariants), message
+                if not self.kvguard_metrics.window_contract_breaks:
+                    logger.warning("kvguard: %s; they are quarantined", message)
+                self.kvguard_metrics.window_contract_breaks += 1
                 clean = False
             taken, publications = ledger.take_fills(request_id, in_flight)
             if clean:
