@@ -96,19 +96,19 @@ class StepLedger:
             filled = record.fills.get(request_id)
             if not filled:
                 continue
-            kept = [b for b in filled if b not in block_ids]
-            if len(kept) == len(filled):
-                continue
+            kept = []
             for block_id in filled:
-                if block_id in block_ids:
-                    taken.append(block_id)
-                    held = record.publications.pop(block_id, None)
-                    if held is not None:
-                        publications[block_id] = held
-            if kept:
-                record.fills[request_id] = kept
-            else:
+                if block_id not in block_ids:
+                    kept.append(block_id)
+                    continue
+                taken.append(block_id)
+                held = record.publications.pop(block_id, None)
+                if held is not None:
+                    publications[block_id] = held
+            if not kept:
                 del record.fills[request_id]
+            elif len(kept) != len(filled):
+                record.fills[request_id] = kept
         return taken, publications
 
     def later_fills(self, request_id: str) -> Iterator[int]:

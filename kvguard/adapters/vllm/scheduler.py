@@ -29,6 +29,7 @@ What changes against vLLM (everything else is vLLM's own code path):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from kvguard.adapters.vllm._compat import require_supported_vllm
@@ -206,10 +207,7 @@ class _GuardMixin:
         in_flight = {b for b in ledger.fills_in_flight(request_id) if b in freed}
         if in_flight:
             pool = self.kvguard_pool
-            request = self.requests.get(request_id)
-            reported = -1
-            if request is not None:
-                reported = request.num_computed_tokens - ledger.tokens_in_flight(request_id)
+            reported = self._kvguard_reported_tokens(request_id)
             blocks = pool.blocks
             unreported = sorted(b for b in in_flight if blocks[b].num_hash_tokens > reported)
             if unreported:
@@ -327,7 +325,6 @@ class _GuardMixin:
         fills = record.fills
         if fills:
             ids: list[int] = []
-            carry = self._kvguard_carry
             for req_id, filled in fills.items():
                 if req_id in failed or req_id in suspect:
                     continue
@@ -335,11 +332,7 @@ class _GuardMixin:
                     # Filled without a step (KV a connector finished loading), or by a
                     # step that came back without a NaN count: the request's next
                     # counted step, computing on it, vouches for it.
-                    carry.setdefault(req_id, []).extend(filled)
-                    held = record.publications
-                    self._kvguard_carry_publications.update(
-                        (b, held[b]) for b in filled if b in held
-                    )
+                    self._kvguard_carry_fills(req_id, filled, record.publications)
                     continue
                 ids += filled
             if ids:
@@ -409,11 +402,16 @@ class _GuardMixin:
         kvguard's ledger."""
         if request_id in self._kvguard_unchecked or request_id in self._kvguard_carry:
             return False
+        return num_tokens <= self._kvguard_reported_tokens(request_id)
+
+    def _kvguard_reported_tokens(self, request_id: str) -> int:
+        """The request's tokens whose steps have all reported back, counted from
+        kvguard's ledger (its computed tokens minus those of its steps in flight);
+        -1 for a request vLLM no longer holds."""
         request = self.requests.get(request_id)
         if request is None:
-            return False
-        reported = request.num_computed_tokens - self._kvguard_ledger.tokens_in_flight(request_id)
-        return num_tokens <= reported
+            return -1
+        return int(request.num_computed_tokens) - self._kvguard_ledger.tokens_in_flight(request_id)
 
     def _kvguard_carry_late_fills(self) -> None:
         """Blocks cached while an output was processed that could not be validated
@@ -421,14 +419,20 @@ class _GuardMixin:
         KV): the request's next counted step vouches for them, as for a connector's
         loads. A request that left already released them (quarantined)."""
         fills, publications = self.kvguard_pool.take_step_fills()
-        carry = self._kvguard_carry
-        held = self._kvguard_carry_publications
         for req_id, ids in fills.items():
             request = self.requests.get(req_id)
-            if request is None or request.is_finished():
-                continue
-            carry.setdefault(req_id, []).extend(ids)
-            held.update((b, publications[b]) for b in ids if b in publications)
+            if request is not None and not request.is_finished():
+                self._kvguard_carry_fills(req_id, ids, publications)
+
+    def _kvguard_carry_fills(
+        self, req_id: str, block_ids: list[int], publications: Mapping[int, PendingPublication]
+    ) -> None:
+        """Blocks filled that no counted step vouched for yet, and the publications
+        held for them: the request's next scheduled step takes them over."""
+        self._kvguard_carry.setdefault(req_id, []).extend(block_ids)
+        self._kvguard_carry_publications.update(
+            (b, publications[b]) for b in block_ids if b in publications
+        )
 
     # ------------------------------------------------------------------ release
 
