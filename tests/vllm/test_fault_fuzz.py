@@ -374,17 +374,24 @@ class FaultTrace:
             self.retire(victim)
 
 
+def _run_traces(
+    seeds: int, groups: tuple[str, ...], async_scheduling: bool, **options: Any
+) -> dict[str, int]:
+    """Run ``seeds`` traces of one configuration; what they saw, summed."""
+    totals: dict[str, int] = {}
+    for seed in range(seeds):
+        for key, value in FaultTrace(groups, async_scheduling, seed, **options).run().items():
+            totals[key] = totals.get(key, 0) + value
+    return totals
+
+
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["caching", "no-caching"])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("groups", SHAPES, ids=["+".join(g) for g in SHAPES])
 def test_random_fault_traces_keep_every_promise(
     groups: tuple[str, ...], async_scheduling: bool, prefix_caching: bool
 ) -> None:
-    totals: dict[str, int] = {}
-    for seed in range(3):
-        trace = FaultTrace(groups, async_scheduling, seed, prefix_caching)
-        for key, value in trace.run().items():
-            totals[key] = totals.get(key, 0) + value
+    totals = _run_traces(3, groups, async_scheduling, prefix_caching=prefix_caching)
     # The traces exercised what they are for.
     assert totals["nan"] > 0 and totals["unchecked"] > 0 and totals["preempted"] > 0
     assert totals["aborted"] > 0
@@ -412,11 +419,7 @@ def test_random_fault_traces_with_the_connector_inside_a_multi_connector(
 
 
 def _offloading_traces(groups: tuple[str, ...], async_scheduling: bool, multi: bool) -> None:
-    totals: dict[str, int] = {}
-    for seed in range(3):
-        trace = FaultTrace(groups, async_scheduling, seed, offload=True, multi=multi)
-        for key, value in trace.run().items():
-            totals[key] = totals.get(key, 0) + value
+    totals = _run_traces(3, groups, async_scheduling, offload=True, multi=multi)
     assert totals["nan"] > 0 and totals["preempted"] > 0 and totals["aborted"] > 0
     assert totals["stored"] > 0 and totals["loaded"] > 0
 
@@ -428,11 +431,5 @@ def test_random_fault_traces_with_kv_load_failures(async_scheduling: bool, polic
     not fill): under vLLM's ``fail`` policy the request ends, under ``recompute`` it
     recomputes them; either way no request ever reads those blocks' bytes, none is
     published, and everything else holds."""
-    totals: dict[str, int] = {}
-    for seed in range(4):
-        trace = FaultTrace(
-            ("full",), async_scheduling, seed, offload=True, load_failure_policy=policy
-        )
-        for key, value in trace.run().items():
-            totals[key] = totals.get(key, 0) + value
+    totals = _run_traces(4, ("full",), async_scheduling, offload=True, load_failure_policy=policy)
     assert totals["load_failures"] > 0 and totals["loaded"] > 0
