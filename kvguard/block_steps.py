@@ -67,9 +67,8 @@ class BlockSteps(PoolCore):
         instead of their ids: for an engine that keeps kvguard's records as its own
         block objects (the vLLM adapter), and hands them back to
         :meth:`acquire_block_records` / :meth:`release_block_records`."""
-        if type(num_blocks) is not int or num_blocks < 0:
-            _check_count("num_blocks", num_blocks)
-        return self._hand_out(num_blocks, 1, write)[1]
+        blocks = self._blocks
+        return [blocks[block_id] for block_id in self.allocate_blocks(num_blocks, write=write)]
 
     def acquire_blocks(self, block_ids: Iterable[int]) -> None:
         """Take a block-level reference on cached (PUBLISHED/OFFLOADED) blocks."""

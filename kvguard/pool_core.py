@@ -194,22 +194,15 @@ class PoolCore:
 
     def _take_free(self, n: int, external_refs: int = 0, write: bool = False) -> list[int]:
         """Pop ``n`` blocks and hand them out, or raise :class:`OutOfBlocksError`
-        having taken none; their ids. ``external_refs`` is 1 for block-level holders;
-        ``write`` hands them out WRITTEN by one block-level step (ALLOCATE then WRITE).
-        """
-        return self._hand_out(n, external_refs, write)[0]
-
-    def _hand_out(
-        self, n: int, external_refs: int = 0, write: bool = False
-    ) -> tuple[list[int], list[Block]]:
-        """:meth:`_take_free`, returning the blocks' ids and their records.
+        having taken none. ``external_refs`` is 1 for block-level holders; ``write``
+        hands them out WRITTEN by one block-level step (ALLOCATE then WRITE).
 
         Quarantined blocks go first (queued for zeroing under the ``suspect`` policy),
         then empty ones, then cached ones in eviction order (their hashes leave the
         index; one ``BlockRemoved`` event for the batch).
         """
         if n <= 0:
-            return [], []
+            return []
         free = self._free
         ids = free.take_empty(n)
         if ids is None:
@@ -225,10 +218,10 @@ class PoolCore:
         # FREE/QUARANTINED --ALLOCATE--> ALLOCATED for every one of them, inlined (the
         # import-time check below the table views guarantees the table agrees).
         blocks = self._blocks
-        taken = [blocks[block_id] for block_id in ids]
         state = _WRITTEN_FROM_ALLOCATED if write else _ALLOCATED
         writers = 1 if write else 0
-        for block in taken:
+        for block_id in ids:
+            block = blocks[block_id]
             block.state = state
             block.ref_cnt = 1
             block.external_refs = external_refs
@@ -238,7 +231,7 @@ class PoolCore:
             for block_id in ids:
                 self._zero.add_block(block_id)
             self._counters.blocks_zeroed += n
-        return ids, taken
+        return ids
 
     def _evict(self, block_ids: list[int]) -> None:
         """Reclaim cached blocks the free queue gave up: EVICT, and drop their hashes."""
