@@ -11,7 +11,7 @@ pytest.importorskip("vllm")
 
 from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 
-from kvguard import BlockState, DoubleFreeError  # noqa: E402
+from kvguard import BlockHash, BlockState, DoubleFreeError  # noqa: E402
 from kvguard.adapters.vllm.block_pool import GuardedBlockPool  # noqa: E402
 from kvguard.adapters.vllm.config import GuardConfig  # noqa: E402
 
@@ -81,7 +81,7 @@ def test_touch_takes_references_on_hits_but_not_on_the_null_block() -> None:
     core = pool.core
     assert core is not None
     (block,) = pool.get_new_blocks(1)
-    core.publish_block(block.block_id, b"h" * 16 + bytes(4), owner="r")
+    core.publish_block(block.block_id, BlockHash(b"h" * 16 + bytes(4)), owner="r")
     pool.validate_step([block.block_id])
     pool.free_blocks([block])
     assert block.ref_cnt == 0 and block.state is BlockState.PUBLISHED
