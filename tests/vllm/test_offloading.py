@@ -315,6 +315,39 @@ def test_cache_reset_fails_the_tickets_in_flight() -> None:
     assert s.kvguard_stats()["dropped_acks"] == 0
 
 
+def test_kvguards_record_of_tier_copies_follows_the_tiers_evictions_and_reset() -> None:
+    """Many prompts through a CPU tier too small for them: the tier evicts chunks to
+    make room, and kvguard forgets their copies -- ``tier_copies`` agrees with the
+    tier block for block, and its record stays the tier's size."""
+    s = offload_scheduler(num_blocks=64)
+    core = s.kvguard_pool.core
+    prompts = [list(range(10_000 + 100 * i, 10_000 + 100 * i + 2 * BLOCK)) for i in range(200)]
+    completed: list[int] = []
+    for i, prompt in enumerate(prompts):
+        s.add_request(make_request(f"r{i}", prompt, max_tokens=1))
+        so = s.schedule()
+        jobs = list(store_blocks(so))  # (the previous request's chunks)
+        s.update_from_output(so, output(s, so, completed=completed))
+        completed = jobs
+    so = s.schedule()
+    s.update_from_output(so, output(s, so, completed=completed))
+
+    held = recorded = 0
+    for prompt in prompts:
+        for index, state in enumerate(tier_state(s, prompt)):
+            copies = core.tier_copies(kvguard_hash(prompt, index))
+            assert copies == ((TIER,) if state is HIT else ()), (prompt[0], index, state)
+            held += state is HIT
+            recorded += bool(copies)
+    assert 0 < held < 2 * len(prompts), "the tier evicted some chunks and holds others"
+    assert recorded == held
+    assert len(core.snapshot().tier_copies) == held
+
+    assert s.reset_prefix_cache(reset_connector=True)
+    assert core.snapshot().tier_copies == ()
+    assert all(tier_state(s, prompt) == [MISS, MISS] for prompt in prompts)
+
+
 def test_without_kvguards_pool_it_is_vllms_connector() -> None:
     for kvguard in ({"enabled": False}, None):
         if kvguard is None:

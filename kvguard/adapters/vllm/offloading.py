@@ -23,6 +23,10 @@ code unchanged.
   success=False)``) instead of becoming loadable; its other blocks' tier records are
   withdrawn (``forget_tier_copy``).
 * A cache reset fails the tickets of the jobs it flushes (``fail_store``).
+* **kvguard's record of tier copies follows the tier.** A chunk the CPU tier evicts
+  (to make room for a store: ``prepare_store``'s ``evicted_keys``) or drops in a cache
+  reset has its blocks' records withdrawn, so ``tier_copies`` names only chunks the
+  tier holds, and the record stays the tier's size on a server that runs for weeks.
 
 Without kvguard's pool underneath (stock scheduler, ``KVGUARD_GUARD=0``) it is vLLM's
 ``OffloadingConnector``. Select it with ``KVTransferConfig(kv_connector=
@@ -89,12 +93,43 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
         self._kvguard_limits: dict[str, int] | None = None
         # Store job id -> offload key -> the tickets of the blocks that chunk copies.
         self._kvguard_tickets: dict[int, dict[Any, list[StoreTicket]]] = {}
+        # Offload key -> the block hashes kvguard records a tier copy of for it: what
+        # to forget when the tier evicts the chunk (at most one entry per chunk the
+        # tier holds, so kvguard's record of tier copies stays the tier's size).
+        self._kvguard_stored: dict[Any, tuple[BlockHash, ...]] = {}
+        self._kvguard_observe_tier_evictions()
         self.kvguard_counters = {
             "offload_store_jobs": 0,
             "offload_store_jobs_cancelled": 0,
             "offload_chunks_stored": 0,
             "offload_chunks_discarded": 0,
         }
+
+    def _kvguard_observe_tier_evictions(self) -> None:
+        """The offloading manager evicts chunks only to make room for a store, and
+        says which in ``prepare_store``'s result (``evicted_keys``); vLLM keeps no other
+        record of them. Read it there."""
+        manager = self.manager
+        prepare_store = manager.prepare_store
+
+        def observed_prepare_store(keys: Collection[Any], req_context: Any) -> Any:
+            out = prepare_store(keys, req_context)
+            if out is not None and out.evicted_keys:
+                self._kvguard_forget_chunks(out.evicted_keys)
+            return out
+
+        manager.prepare_store = observed_prepare_store
+
+    def _kvguard_forget_chunks(self, keys: Collection[Any]) -> None:
+        """The tier no longer holds these chunks: forget kvguard's record of their
+        blocks' copies."""
+        stored = self._kvguard_stored
+        pool = self.kvguard_pool()
+        for key in keys:
+            hashes = stored.pop(key, ())
+            if pool is not None and pool.core is not None:
+                for block_hash in hashes:
+                    pool.core.forget_tier_copy(TIER, block_hash)
 
     def kvguard_bind(self, kv_cache_manager: Any) -> None:
         self._kvguard_kv_cache_manager = kv_cache_manager
@@ -284,9 +319,11 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
         core = pool.core
         assert core is not None
         discard: list[Any] = []
+        stored = self._kvguard_stored
         for key, taken in by_key.items():
             acks = [core.ack_store(ticket) for ticket in taken]
             if all(acks):
+                stored[key] = tuple(ticket.block_hash for ticket in taken)
                 continue
             for ticket, ok in zip(taken, acks, strict=True):
                 if ok:  # the chunk goes as a whole
@@ -310,7 +347,8 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
                     for ticket in taken:
                         pool.core.fail_store(ticket)
         self._kvguard_tickets.clear()
-        super()._reset_cache()
+        super()._reset_cache()  # empties the tier
+        self._kvguard_forget_chunks(list(self._kvguard_stored))
 
     def kvguard_in_flight(self) -> dict[int, Collection[Any]]:
         """Store job id -> offload keys of the jobs whose acknowledgement is due."""
