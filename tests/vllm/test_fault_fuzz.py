@@ -32,6 +32,7 @@ import pytest
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
+from vllm.v1.kv_offload.base import LookupResult, ReqContext  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvguard import BlockState  # noqa: E402
@@ -123,7 +124,12 @@ class FaultTrace:
             max_num_seqs=8,
             prefix_caching=prefix_caching,
             kv_transfer_config=(
-                transfer_config(load_failure_policy=load_failure_policy or "fail", multi=multi)
+                transfer_config(
+                    load_failure_policy=load_failure_policy or "fail",
+                    multi=multi,
+                    # Every other trace on a CPU tier of a few chunks, which evicts.
+                    cpu_bytes=1 << (14 if seed % 2 else 20),
+                )
                 if offload
                 else None
             ),
@@ -193,9 +199,31 @@ class FaultTrace:
         assert by_state[BlockState.WRITTEN] == 0
         assert by_state[BlockState.ALLOCATED] == 1  # the null block
         s.kvguard_pool.check_consistency()
+        self.check_nothing_outlives_the_requests()
         if self.seen["stored"]:  # the connector's counters reach the scheduler's stats
             assert s.kvguard_stats()["offload_chunks_stored"] > 0
+            self.seen["evicted"] = s.kvguard_stats()["offload_chunks_evicted"]
         return self.seen
+
+    def check_nothing_outlives_the_requests(self) -> None:
+        """The guard's per-request and per-step bookkeeping is empty once every request
+        left, and its record of tier copies names only chunks the CPU tier holds: no
+        record grows with the requests a server has seen."""
+        s = self.s
+        assert len(s._kvguard_ledger) == 0
+        assert not s._kvguard_carry and not s._kvguard_carry_publications
+        assert not s._kvguard_clean and not s._kvguard_unchecked
+        pool = s.kvguard_pool
+        assert not pool._deferred and not pool.has_step_fills()
+        recorded = 0
+        for connector in s._kvguard_connectors():
+            cs: Any = getattr(connector, "connector_scheduler", None)
+            stored = getattr(cs, "_kvguard_stored", {})
+            probe = ReqContext(req_id="probe")
+            for key, hashes in stored.items():
+                assert cs.manager.lookup(key, probe) is LookupResult.HIT, key
+                recorded += len(hashes)
+        assert len(pool.core.snapshot().tier_copies) <= recorded
 
     def retire(self, req_id: str) -> None:
         """The request's steps in flight will never report for it (it left or restarts)."""
@@ -421,7 +449,7 @@ def test_random_fault_traces_with_the_connector_inside_a_multi_connector(
 def _offloading_traces(groups: tuple[str, ...], async_scheduling: bool, multi: bool) -> None:
     totals = _run_traces(3, groups, async_scheduling, offload=True, multi=multi)
     assert totals["nan"] > 0 and totals["preempted"] > 0 and totals["aborted"] > 0
-    assert totals["stored"] > 0 and totals["loaded"] > 0
+    assert totals["stored"] > 0 and totals["loaded"] > 0 and totals["evicted"] > 0
 
 
 @pytest.mark.parametrize("policy", ["fail", "recompute"])

@@ -52,15 +52,17 @@ def transfer_config(
     load_failure_policy: str = "fail",
     *,
     multi: bool = False,
+    cpu_bytes: int = 1 << 20,
 ) -> KVTransferConfig:
-    """The offloading connector's config; ``multi``: inside vLLM's ``MultiConnector``."""
+    """The offloading connector's config; ``multi``: inside vLLM's ``MultiConnector``;
+    ``cpu_bytes``: the CPU tier's size (the default holds a few hundred chunks)."""
     child = {
         "kv_connector": connector,
         "kv_role": "kv_both",
         "kv_connector_module_path": (
             "kvguard.adapters.vllm.offloading" if connector.startswith("Guarded") else None
         ),
-        "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 20},
+        "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes},
     }
     if multi:
         return KVTransferConfig(
@@ -340,6 +342,8 @@ def test_kvguards_record_of_tier_copies_follows_the_tiers_evictions_and_reset() 
             held += state is HIT
             recorded += bool(copies)
     assert 0 < held < 2 * len(prompts), "the tier evicted some chunks and holds others"
+    stats = s.kvguard_stats()
+    assert stats["offload_chunks_evicted"] == stats["offload_chunks_stored"] - held > 0
     assert recorded == held
     assert len(core.snapshot().tier_copies) == held
 

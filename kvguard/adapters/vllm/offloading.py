@@ -103,6 +103,7 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
             "offload_store_jobs_cancelled": 0,
             "offload_chunks_stored": 0,
             "offload_chunks_discarded": 0,
+            "offload_chunks_evicted": 0,
         }
 
     def _kvguard_observe_tier_evictions(self) -> None:
@@ -115,6 +116,7 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
         def observed_prepare_store(keys: Collection[Any], req_context: Any) -> Any:
             out = prepare_store(keys, req_context)
             if out is not None and out.evicted_keys:
+                self.kvguard_counters["offload_chunks_evicted"] += len(out.evicted_keys)
                 self._kvguard_forget_chunks(out.evicted_keys)
             return out
 
