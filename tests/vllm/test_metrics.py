@@ -43,3 +43,29 @@ def test_each_scheduler_is_its_own_series() -> None:
     step(a, {"x": 1})
     assert _sample("kvguard_vllm_requests_aborted_total", a.kvguard_metrics_label) == 1
     assert _sample("kvguard_vllm_requests_aborted_total", b.kvguard_metrics_label) == 0
+
+
+def test_the_offloading_connectors_counters_are_exported() -> None:
+    from .test_offloading import offload_scheduler, output, store_blocks
+
+    s = offload_scheduler()
+    label = s.kvguard_metrics_label
+    s.add_request(make_request("a", list(range(6000, 6000 + 2 * BLOCK)), max_tokens=1))
+    so = s.schedule()
+    s.update_from_output(so, output(s, so))
+    so = s.schedule()  # a's chunks, validated, are offered for storing
+    jobs = list(store_blocks(so))
+    s.update_from_output(so, output(s, so, completed=jobs))
+    assert _sample("kvguard_vllm_offload_store_jobs_total", label) == len(jobs) == 1
+    assert _sample("kvguard_vllm_offload_chunks_stored_total", label) == 2
+    assert _sample("kvguard_vllm_offload_chunks_evicted_total", label) == 0
+    stats = s.kvguard_stats()
+    assert stats["offload_chunks_stored"] == 2 and stats["offload_store_jobs"] == 1
+
+
+def test_a_scheduler_without_a_guarded_connector_exports_no_connector_series() -> None:
+    s = make_scheduler()
+    name = "kvguard_vllm_offload_store_jobs_total"
+    labels = {"kvguard_scheduler": s.kvguard_metrics_label}
+    assert prometheus_client.REGISTRY.get_sample_value(name, labels) is None
+    assert "offload_store_jobs" not in s.kvguard_stats()

@@ -9,7 +9,9 @@ exports every live guarded scheduler (label ``kvguard_scheduler``), read at scra
 * ``kvguard_vllm_requests_aborted_total`` and the other :class:`GuardMetrics` counters;
 * kvguard's pool metrics (:class:`kvguard.prometheus.PoolCollector`): blocks per state,
   ``kvguard_blocks_quarantined_total``, ``kvguard_blocks_zeroed_total``,
-  ``kvguard_withheld_publications_total``, ``kvguard_dropped_acks_total``, ...
+  ``kvguard_withheld_publications_total``, ``kvguard_dropped_acks_total``, ...;
+* the guarded offloading connector's counters (summed over a ``MultiConnector``'s
+  children): ``kvguard_vllm_offload_store_jobs_total``, ...
 """
 
 from __future__ import annotations
@@ -55,6 +57,15 @@ _HELP = {
     ),
 }
 
+CONNECTOR_HELP = {
+    "offload_store_jobs": "Store jobs to the CPU tier that passed kvguard's tier gate",
+    "offload_store_jobs_cancelled": "Store jobs cancelled for a block kvguard refused",
+    "offload_chunks_stored": "Chunks stored to the CPU tier with every ticket acknowledged",
+    "offload_chunks_discarded": "Chunks discarded from the CPU tier for a late acknowledgement",
+    "offload_chunks_evicted": "Chunks the CPU tier evicted to make room for a store",
+}
+"""The guarded offloading connector's counters (``kvguard_counters``), with their help."""
+
 _lock = threading.Lock()
 _live: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 _ids = itertools.count()
@@ -75,6 +86,13 @@ class _GuardCollector:
             for key, scheduler in live:
                 counter.add_metric([key], getattr(scheduler.kvguard_metrics, name))
             yield counter
+        connectors = [(key, connector_counters(scheduler)) for key, scheduler in live]
+        for name, help_text in CONNECTOR_HELP.items():
+            counter = CounterMetricFamily(f"kvguard_vllm_{name}", help_text, labels=[LABEL])
+            for key, counters in connectors:
+                if counters is not None:
+                    counter.add_metric([key], counters.get(name, 0))
+            yield counter
         merged: dict[str, Any] = {}
         for key, scheduler in live:
             core = scheduler.kvguard_pool.core
@@ -87,6 +105,19 @@ class _GuardCollector:
                 else:
                     merged[family.name] = family
         yield from merged.values()
+
+
+def connector_counters(scheduler: Any) -> dict[str, int] | None:
+    """The counters of the scheduler's guarded connectors (several inside a
+    ``MultiConnector``), summed; None without one."""
+    out: dict[str, int] | None = None
+    for connector in scheduler._kvguard_connectors():
+        stats = getattr(connector, "kvguard_stats", None)
+        if stats is not None:
+            out = out if out is not None else {}
+            for name, value in stats().items():
+                out[name] = out.get(name, 0) + value
+    return out
 
 
 def register_prometheus(scheduler: Any) -> str | None:

@@ -76,6 +76,7 @@ from kvguard.results import StoreTicket  # noqa: E402
 from kvguard.states import STORABLE_STATES  # noqa: E402
 
 from .block_pool import GuardedBlockPool  # noqa: E402
+from .metrics import CONNECTOR_HELP  # noqa: E402
 
 logger = init_logger(__name__)
 
@@ -98,13 +99,7 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
         # tier holds, so kvguard's record of tier copies stays the tier's size).
         self._kvguard_stored: dict[Any, tuple[BlockHash, ...]] = {}
         self._kvguard_observe_tier_evictions()
-        self.kvguard_counters = {
-            "offload_store_jobs": 0,
-            "offload_store_jobs_cancelled": 0,
-            "offload_chunks_stored": 0,
-            "offload_chunks_discarded": 0,
-            "offload_chunks_evicted": 0,
-        }
+        self.kvguard_counters = dict.fromkeys(CONNECTOR_HELP, 0)
 
     def _kvguard_observe_tier_evictions(self) -> None:
         """The offloading manager evicts chunks only to make room for a store, and

@@ -52,7 +52,7 @@ from .block_pool import GuardModeUnsupported  # noqa: E402
 from .config import GuardConfig, GuardConfigError  # noqa: E402
 from .ledger import StepLedger  # noqa: E402
 from .manager import install_guarded_pool  # noqa: E402
-from .metrics import GuardMetrics, register_prometheus  # noqa: E402
+from .metrics import GuardMetrics, connector_counters, register_prometheus  # noqa: E402
 from .plugin import stock_needs_zeroing  # noqa: E402
 
 logger = init_logger(__name__)
@@ -504,11 +504,7 @@ class _GuardMixin:
             out["blocks_published"] = counters.blocks_published
             out["stores_started"] = counters.stores_started
             out["stores_acknowledged"] = counters.stores_acknowledged
-        for connector in self._kvguard_connectors():  # (several inside a MultiConnector)
-            stats = getattr(connector, "kvguard_stats", None)
-            if stats is not None:
-                for name, value in stats().items():
-                    out[name] = out.get(name, 0) + value
+        out.update(connector_counters(self) or {})
         return out
 
 
