@@ -6,7 +6,7 @@ the block-level write/validate ledger with deferred publication.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 
 from kvguard.block import Block, PendingPublication
 from kvguard.errors import (
@@ -15,7 +15,6 @@ from kvguard.errors import (
     IllegalTransitionError,
     NoPendingStepError,
     PoolMisuseError,
-    UnknownBlockError,
 )
 from kvguard.events import BlockStored
 from kvguard.hashing import BlockHash
@@ -62,14 +61,6 @@ class BlockSteps(PoolCore):
         # blocks (write_blocks' fast path, applied as they are handed out).
         return self._take_free(num_blocks, 1, write)
 
-    def allocate_block_records(self, num_blocks: int, *, write: bool = False) -> list[Block]:
-        """:meth:`allocate_blocks`, returning the blocks' records (:attr:`block_records`)
-        instead of their ids: for an engine that keeps kvguard's records as its own
-        block objects (the vLLM adapter), and hands them back to
-        :meth:`acquire_block_records` / :meth:`release_block_records`."""
-        blocks = self._blocks
-        return [blocks[block_id] for block_id in self.allocate_blocks(num_blocks, write=write)]
-
     def acquire_blocks(self, block_ids: Iterable[int]) -> None:
         """Take a block-level reference on cached (PUBLISHED/OFFLOADED) blocks."""
         ids = block_ids if isinstance(block_ids, list) else list(block_ids)
@@ -82,29 +73,6 @@ class BlockSteps(PoolCore):
             if state not in MATCHABLE_STATES:
                 raise IllegalTransitionError(block_id, state, _ACQUIRE)
         self._acquire(ids, 1)
-
-    def acquire_block_records(self, records: Sequence[Block]) -> None:
-        """:meth:`acquire_blocks` for the pool's own block records."""
-        pool_records = self._blocks
-        checked = 0
-        try:
-            for block in records:
-                if pool_records[block.block_id] is not block:
-                    break
-                state = block.state
-                if state not in MATCHABLE_STATES:
-                    raise IllegalTransitionError(block.block_id, state, _ACQUIRE)
-                checked += 1
-        except (AttributeError, IndexError, TypeError):
-            pass  # not a record of this pool: named below
-        if checked != len(records):
-            self._record_ids(records)  # raises UnknownBlockError
-        free = self._free
-        for block in records:  # _acquire for checked cached records, inlined
-            if not block.ref_cnt:
-                free.remove_evictable(block)
-            block.ref_cnt += 1
-            block.external_refs += 1
 
     def release_blocks(self, block_ids: Iterable[int], *, steps_passed: bool = False) -> None:
         """Drop block-level references taken by allocate_blocks/acquire_blocks.
@@ -158,70 +126,6 @@ class BlockSteps(PoolCore):
                 block.external_refs += 1
                 block.ref_cnt += 1
             self._raise_release_error(ids)
-        self._enqueue_released(cached, freed, released, steps_passed)
-
-    def release_block_records(
-        self, records: Sequence[Block], *, steps_passed: bool = False
-    ) -> None:
-        """:meth:`release_blocks` for the pool's own block records (one pass over
-        them, no id lookups: an engine's per-request free path)."""
-        pool_records = self._blocks
-        cached: list[Block] = []
-        freed: list[Block] = []
-        released: list[Block] = []
-        done = 0
-        try:
-            for block in records:  # release_blocks' loop (see there), on records
-                if pool_records[block.block_id] is not block:
-                    break
-                refs = block.external_refs
-                if not refs:
-                    break
-                block.external_refs = refs - 1
-                ref = block.ref_cnt - 1
-                block.ref_cnt = ref
-                done += 1
-                if not ref:
-                    state = block.state
-                    if state in _STAYS_CACHED:
-                        cached.append(block)
-                    elif state is _ALLOCATED or (
-                        steps_passed and state is _WRITTEN and block.pending_publication is None
-                    ):
-                        freed.append(block)
-                    else:
-                        released.append(block)
-        except (AttributeError, IndexError, TypeError):
-            pass  # not a record of this pool: named below
-        if done != len(records):
-            for block in records[:done]:
-                block.external_refs += 1
-                block.ref_cnt += 1
-            self._raise_release_error(self._record_ids(records))
-        self._enqueue_released(cached, freed, released, steps_passed)
-
-    def _record_ids(self, records: Iterable[object]) -> list[int]:
-        """The ids of ``records``; raises UnknownBlockError for an object that is not
-        one of this pool's block records."""
-        pool_records = self._blocks
-        ids = []
-        for block in records:
-            block_id = getattr(block, "block_id", None)
-            if not (
-                type(block_id) is int
-                and 0 <= block_id < len(pool_records)
-                and pool_records[block_id] is block
-            ):
-                raise UnknownBlockError(f"{block!r} is not one of this pool's block records")
-            ids.append(block_id)
-        return ids
-
-    def _enqueue_released(
-        self, cached: list[Block], freed: list[Block], released: list[Block], steps_passed: bool
-    ) -> None:
-        """Enqueue blocks whose last reference a release just dropped (release_blocks'
-        sorting: cached ones stay cached, ``freed`` ones become FREE, ``released``
-        ones go through :meth:`_drop_last_refs`)."""
         if freed:
             # ALLOCATED --RELEASE--> FREE, and WRITTEN --VALIDATE--> VALIDATED
             # --RELEASE--> FREE, inlined (import-time checks in pool_core).

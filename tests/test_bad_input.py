@@ -31,7 +31,6 @@ from kvguard import (
     UnknownTicketError,
     ZeroPolicy,
 )
-from kvguard.block import Block
 
 from .conftest import make_pool
 from .helpers import prefill
@@ -61,20 +60,12 @@ class World:
         self.ticket = pool.begin_store(pool.block_table("published")[0], "cpu")
         self.stale_hit = PrefixHit("fresh", (pool.block_table("published")[0],), (999,), 4)
         pool.take_events()
-        # The same history on a second pool: its block records look like this pool's.
-        self.other_pool = make_pool(16, 4)
-        prefill(self.other_pool, "published", PROMPT)
-        self.other_pool.validate_step("published")
-        self.other_pool.allocate_blocks(1)
 
 
 def cases(w: World) -> list[tuple[str, Callable[[], Any], type[KvGuardError]]]:
     p = w.pool
     published = p.block_table("published")
     pending = p.block_table("pending")
-    records = p.block_records
-    other = w.other_pool.block_records
-    (external,) = w.external
     return [
         ("unknown request: write", lambda: p.write("nope", 1), UnknownRequestError),
         ("unknown request: validate", lambda: p.validate_step("nope"), UnknownRequestError),
@@ -126,53 +117,6 @@ def cases(w: World) -> list[tuple[str, Callable[[], Any], type[KvGuardError]]]:
         ("foreign block release", lambda: p.release_blocks([published[0]]), ForeignBlockError),
         ("release twice in one call", lambda: p.release_blocks(w.external * 2), ForeignBlockError),
         ("out-of-range block release", lambda: p.release_blocks([16]), UnknownBlockError),
-        (
-            "double free of a record",
-            lambda: p.release_block_records([records[pending[-1] + 5]]),
-            DoubleFreeError,
-        ),
-        (
-            "record released twice in one call",
-            lambda: p.release_block_records([records[external]] * 2),
-            ForeignBlockError,
-        ),
-        (
-            "record release of a request's block",
-            lambda: p.release_block_records([records[published[0]]]),
-            ForeignBlockError,
-        ),
-        (
-            "record of another pool",
-            lambda: p.release_block_records([records[external], other[external]]),
-            UnknownBlockError,
-        ),
-        (
-            "record with a stranger's id",
-            lambda: p.release_block_records([records[external], Block(external)]),
-            UnknownBlockError,
-        ),
-        (
-            "not a record",
-            lambda: p.release_block_records([records[external], external]),  # type: ignore[list-item]
-            UnknownBlockError,
-        ),
-        (
-            "record past the pool",
-            lambda: p.release_block_records([Block(99)]),
-            UnknownBlockError,
-        ),
-        (
-            "acquire a written record",
-            lambda: p.acquire_block_records([records[published[0]], records[pending[0]]]),
-            IllegalTransitionError,
-        ),
-        (
-            "acquire a record of another pool",
-            lambda: p.acquire_block_records([records[published[0]], other[published[0]]]),
-            UnknownBlockError,
-        ),
-        ("too many raw records", lambda: p.allocate_block_records(100), OutOfBlocksError),
-        ("float raw records", lambda: p.allocate_block_records(1.0), PoolMisuseError),  # type: ignore[arg-type]
         ("negative block id", lambda: p.block_info(-1), UnknownBlockError),
         ("non-int block id", lambda: p.block_info("3"), UnknownBlockError),  # type: ignore[arg-type]
         ("acquire a written block", lambda: p.acquire_blocks([pending[0]]), IllegalTransitionError),

@@ -2,10 +2,9 @@
 
 Random sequences of allocate (plain or WRITTEN), write, validate (with or without held
 publications), publish_block, fail, acquire (prefix hits) and release (with or without
-``steps_passed``) -- allocate, acquire and release by block id or by block record -- on
-a pool with ``check_invariants=True``. An independent shadow model tracks, per block,
-the steps writing it that have not validated and whether its bytes are suspect, and
-checks:
+``steps_passed``), on a pool with ``check_invariants=True``. An independent shadow
+model tracks, per block, the steps writing it that have not validated and whether its
+bytes are suspect, and checks:
 
 * the prefix index only ever maps a hash to a block none of whose writes is pending
   or failed (a hit, an acquire, never reaches unvalidated KV);
@@ -55,16 +54,11 @@ class BlockLevelMachine(RuleBasedStateMachine):
             if write:
                 self.pending[block_id] = 1
 
-    @rule(n=st.integers(0, 4), write=st.booleans(), by_record=st.booleans())
-    def allocate(self, n: int, write: bool, by_record: bool) -> None:
+    @rule(n=st.integers(0, 4), write=st.booleans())
+    def allocate(self, n: int, write: bool) -> None:
         before = self.pool.snapshot()
         try:
-            if by_record:
-                records = self.pool.allocate_block_records(n, write=write)
-                assert all(self.pool.block_records[b.block_id] is b for b in records)
-                ids = [block.block_id for block in records]
-            else:
-                ids = self.pool.allocate_blocks(n, write=write)
+            ids = self.pool.allocate_blocks(n, write=write)
         except OutOfBlocksError:
             assert self.pool.snapshot() == before
             return
@@ -112,15 +106,10 @@ class BlockLevelMachine(RuleBasedStateMachine):
             self.dirty.add(block_id)
 
     @precondition(lambda self: self.held)
-    @rule(data=st.data(), steps_passed=st.booleans(), by_record=st.booleans())
-    def release(self, data: st.DataObject, steps_passed: bool, by_record: bool) -> None:
+    @rule(data=st.data(), steps_passed=st.booleans())
+    def release(self, data: st.DataObject, steps_passed: bool) -> None:
         ids = data.draw(st.lists(st.sampled_from(self.held), min_size=1, max_size=3))
-        if by_record:
-            records = [self.pool.block_records[block_id] for block_id in ids]
-            ran = self._misuse(self.pool.release_block_records, records, steps_passed=steps_passed)
-        else:
-            ran = self._misuse(self.pool.release_blocks, ids, steps_passed=steps_passed)
-        if not ran:
+        if not self._misuse(self.pool.release_blocks, ids, steps_passed=steps_passed):
             return
         for block_id in ids:
             self.held.remove(block_id)
@@ -131,15 +120,12 @@ class BlockLevelMachine(RuleBasedStateMachine):
                 else:  # abandoned mid-step: quarantined
                     self.dirty.add(block_id)
 
-    @rule(block_hash=st.sampled_from(HASHES), by_record=st.booleans())
-    def hit(self, block_hash: BlockHash, by_record: bool) -> None:
+    @rule(block_hash=st.sampled_from(HASHES))
+    def hit(self, block_hash: BlockHash) -> None:
         block_id = self.pool.cached_block_id(block_hash)
         if block_id is None:
             return
-        if by_record:
-            self.pool.acquire_block_records([self.pool.block_records[block_id]])
-        else:
-            self.pool.acquire_blocks([block_id])
+        self.pool.acquire_blocks([block_id])
         self.held.append(block_id)
 
     @invariant()

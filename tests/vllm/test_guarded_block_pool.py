@@ -1,6 +1,6 @@
-"""``GuardedBlockPool``'s own calls, as vLLM's managers make them: the block records
-vLLM holds go back to kvguard as records; the null block and blocks of another pool
-are routed as vLLM's own pool routes them."""
+"""``GuardedBlockPool``'s own calls, as vLLM's managers make them: the null block and
+blocks of another pool are routed as vLLM's own pool routes them, and a double free
+changes nothing."""
 
 from __future__ import annotations
 

@@ -49,7 +49,7 @@ from vllm.v1.core.kv_cache_utils import (  # noqa: E402
 )
 
 from kvguard.block import PendingPublication  # noqa: E402
-from kvguard.errors import IllegalTransitionError, OutOfBlocksError, UnknownBlockError  # noqa: E402
+from kvguard.errors import IllegalTransitionError, OutOfBlocksError  # noqa: E402
 from kvguard.events import BlockRemoved as CoreBlockRemoved  # noqa: E402
 from kvguard.hashing import BlockHash  # noqa: E402
 from kvguard.pool import BlockPool as KvGuardPool  # noqa: E402
@@ -383,9 +383,11 @@ class GuardedBlockPool(BlockPool):
         try:
             # WRITTEN: handed out because the step being scheduled writes them (or a
             # connector loads KV into them), unvalidated until the step that fills them.
-            ret = cast("list[KVCacheBlock]", core.allocate_block_records(num_blocks, write=True))
+            ids = core.allocate_blocks(num_blocks, write=True)
         except OutOfBlocksError:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool") from None
+        blocks = self.blocks
+        ret = [blocks[i] for i in ids]
         if self._reuse_watchers:
             self._notify_reuse(ret)
         collector = self.metrics_collector
@@ -401,11 +403,7 @@ class GuardedBlockPool(BlockPool):
         if core is None:
             super().touch(blocks)
             return
-        # (vLLM's blocks are kvguard's records; a hit on a windowed group may hold the
-        # null block, which vLLM does not reference count.)
-        null = self.null_block
-        held = [b for b in blocks if b is not null] if null in blocks else blocks
-        core.acquire_block_records(cast("Sequence[GuardedKVCacheBlock]", held))
+        core.acquire_blocks([b.block_id for b in blocks if not b.is_null])
         collector = self.metrics_collector
         if collector:
             for block in blocks:
@@ -418,50 +416,29 @@ class GuardedBlockPool(BlockPool):
             super().free_blocks(ordered_blocks)
             return
         released = ordered_blocks if isinstance(ordered_blocks, list) else list(ordered_blocks)
+        ids = [block.block_id for block in released if block.pool is self and not block.is_null]
         other_pools: dict[Any, list[KVCacheBlock]] = {}
-        window = self.window_request
-        if window is not None or self.null_block in released:
-            released, other_pools = self._split_by_pool(released)
+        if len(ids) != len(released):  # null blocks, or blocks of another pool
+            for block in released:
+                if block.pool is not self and not block.is_null:
+                    other_pools.setdefault(block.pool, []).append(block)
         # Released blocks whose step never validated are quarantined by kvguard here
         # -- unless they belong to a request leaving clean (freeing_clean_request) --
         # (it raises, changing nothing, on a double free); a publication waiting for
         # its step dies with the last reference.
         steps_passed = self.freeing_clean_request
+        window = self.window_request
         if window is not None and self.on_window_free is not None:
-            steps_passed = self.on_window_free(window, [block.block_id for block in released])
-        ours = cast("list[GuardedKVCacheBlock]", released)
-        try:
-            core.release_block_records(ours, steps_passed=steps_passed)
-        except UnknownBlockError:
-            # Blocks of another pool (never in guarded mode's supported groups, but
-            # routed as vLLM's own pool routes them); nothing was released.
-            released, other_pools = self._split_by_pool(released)
-            if not other_pools:
-                raise
-            ours = cast("list[GuardedKVCacheBlock]", released)
-            core.release_block_records(ours, steps_passed=steps_passed)
+            steps_passed = self.on_window_free(window, ids)
+        core.release_blocks(ids, steps_passed=steps_passed)
         deferred = self._deferred
         if deferred:
-            for block in ours:
-                if not block.ref_cnt:
-                    deferred.pop(block.block_id, None)
+            blocks = self.blocks
+            for block_id in ids:
+                if not blocks[block_id].ref_cnt:
+                    deferred.pop(block_id, None)
         for pool, others in other_pools.items():
             pool.free_blocks(others)
-
-    def _split_by_pool(
-        self, blocks: list[KVCacheBlock]
-    ) -> tuple[list[KVCacheBlock], dict[Any, list[KVCacheBlock]]]:
-        """This pool's blocks, less the null block (vLLM does not reference count
-        it), and the blocks of other pools, by pool."""
-        ours: list[KVCacheBlock] = []
-        other_pools: dict[Any, list[KVCacheBlock]] = {}
-        for block in blocks:
-            if block.pool is self:
-                if not block.is_null:
-                    ours.append(block)
-            elif not block.is_null:
-                other_pools.setdefault(block.pool, []).append(block)
-        return ours, other_pools
 
     # ------------------------------------------------------------------ cache control
 
