@@ -6,14 +6,22 @@ import json
 import os
 import random
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import torch
-from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+    MultiConnector,
+    MultiKVConnectorMetadata,
+    MultiKVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingWorkerMetadata,
+)
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -28,7 +36,7 @@ from vllm.v1.kv_cache_interface import (
     RSWASpec,
     SlidingWindowSpec,
 )
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -246,3 +254,62 @@ def decision_trace(
             out = scheduler.update_from_output(done, model_output(scheduler, done, counts))
             trace.append(finish_reasons(out))
     return trace
+
+
+# ---------------------------------------------------------------- KV connectors
+
+
+def transfer_config(
+    connector: str = "GuardedOffloadingConnector",
+    load_failure_policy: str = "fail",
+    *,
+    multi: bool = False,
+    cpu_bytes: int = 1 << 20,
+) -> KVTransferConfig:
+    """The offloading connector's config; ``multi``: inside vLLM's ``MultiConnector``;
+    ``cpu_bytes``: the CPU tier's size (the default holds a few hundred chunks)."""
+    child = {
+        "kv_connector": connector,
+        "kv_role": "kv_both",
+        "kv_connector_module_path": (
+            "kvguard.adapters.vllm.offloading" if connector.startswith("Guarded") else None
+        ),
+        "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes},
+    }
+    if multi:
+        return KVTransferConfig(
+            kv_connector="MultiConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"connectors": [child]},
+            kv_load_failure_policy=load_failure_policy,
+        )
+    return KVTransferConfig(**child, kv_load_failure_policy=load_failure_policy)
+
+
+def connector_output(
+    s: Any,
+    so: Any,
+    nans: Mapping[str, int] | None = None,
+    *,
+    completed: Iterable[int] = (),
+    recved: Iterable[str] = (),
+    invalid: Iterable[int] = (),
+) -> Any:
+    """The model runner's output, with the workers' report of finished transfer jobs
+    (``invalid``: GPU blocks a load failed to fill)."""
+    mo = model_output(s, so, nans)
+    meta: Any = OffloadingWorkerMetadata(completed_jobs=dict.fromkeys(completed, 1))
+    if isinstance(s.connector, MultiConnector):
+        meta = MultiKVConnectorWorkerMetadata(metadata=(meta,))
+    mo.kv_connector_output = KVConnectorOutput(
+        finished_recving=set(recved) or None,
+        invalid_block_ids=set(invalid),
+        kv_connector_worker_meta=meta,
+    )
+    return mo
+
+
+def offloading_metadata(so: Any) -> Any:
+    """The step's offloading connector metadata (inside a MultiConnector's, if any)."""
+    meta = so.kv_connector_metadata
+    return meta.metadata[0] if isinstance(meta, MultiKVConnectorMetadata) else meta

@@ -39,13 +39,14 @@ from kvguard import BlockState  # noqa: E402
 
 from .harness import (  # noqa: E402
     BLOCK,
+    connector_output,
     finish_reasons,
     make_request,
     make_scheduler,
     model_output,
+    offloading_metadata,
+    transfer_config,
 )
-from .test_offloading import offloading_metadata, transfer_config  # noqa: E402
-from .test_offloading import output as connector_output  # noqa: E402
 
 NULL = 0
 TOKEN = 5  # what model_output samples for every request

@@ -46,7 +46,8 @@ def test_each_scheduler_is_its_own_series() -> None:
 
 
 def test_the_offloading_connectors_counters_are_exported() -> None:
-    from .test_offloading import offload_scheduler, output, store_blocks
+    from .harness import connector_output as output
+    from .test_offloading import offload_scheduler, store_blocks
 
     s = offload_scheduler()
     label = s.kvguard_metrics_label

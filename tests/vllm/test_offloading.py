@@ -8,7 +8,7 @@ it sends the scheduler: ``OffloadingWorkerMetadata.completed_jobs`` inside the s
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,20 +18,11 @@ pytest.importorskip("vllm")
 
 from vllm.config import KVTransferConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (  # noqa: E402
-    MultiConnector,
-    MultiKVConnectorMetadata,
-    MultiKVConnectorWorkerMetadata,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (  # noqa: E402
-    OffloadingWorkerMetadata,
-)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (  # noqa: E402
     OffloadingConnector,
 )
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id  # noqa: E402
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  # noqa: E402
-from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvguard import BlockHash, BlockState  # noqa: E402
@@ -41,70 +32,22 @@ from kvguard.adapters.vllm.offloading import (  # noqa: E402
     GuardedOffloadingConnector,
 )
 
-from .harness import BLOCK, finish_reasons, make_request, make_scheduler, model_output  # noqa: E402
+from .harness import (  # noqa: E402
+    BLOCK,
+    finish_reasons,
+    make_request,
+    make_scheduler,
+    offloading_metadata,
+    transfer_config,
+)
+from .harness import connector_output as output  # noqa: E402
 
 PROMPT = list(range(1000, 1000 + 4 * BLOCK))  # 4 full blocks
 STORABLE = {BlockState.VALIDATED, BlockState.PUBLISHED, BlockState.OFFLOADED}
 
 
-def transfer_config(
-    connector: str = "GuardedOffloadingConnector",
-    load_failure_policy: str = "fail",
-    *,
-    multi: bool = False,
-    cpu_bytes: int = 1 << 20,
-) -> KVTransferConfig:
-    """The offloading connector's config; ``multi``: inside vLLM's ``MultiConnector``;
-    ``cpu_bytes``: the CPU tier's size (the default holds a few hundred chunks)."""
-    child = {
-        "kv_connector": connector,
-        "kv_role": "kv_both",
-        "kv_connector_module_path": (
-            "kvguard.adapters.vllm.offloading" if connector.startswith("Guarded") else None
-        ),
-        "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes},
-    }
-    if multi:
-        return KVTransferConfig(
-            kv_connector="MultiConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config={"connectors": [child]},
-            kv_load_failure_policy=load_failure_policy,
-        )
-    return KVTransferConfig(**child, kv_load_failure_policy=load_failure_policy)
-
-
 def offload_scheduler(*, connector: str = "GuardedOffloadingConnector", **kwargs: Any) -> Any:
     return make_scheduler(kv_transfer_config=transfer_config(connector), **kwargs)
-
-
-def output(
-    s: Any,
-    so: Any,
-    nans: Mapping[str, int] | None = None,
-    *,
-    completed: Iterable[int] = (),
-    recved: Iterable[str] = (),
-    invalid: Iterable[int] = (),
-) -> Any:
-    """The model runner's output, with the workers' report of finished transfer jobs
-    (``invalid``: GPU blocks a load failed to fill)."""
-    mo = model_output(s, so, nans)
-    meta: Any = OffloadingWorkerMetadata(completed_jobs=dict.fromkeys(completed, 1))
-    if isinstance(s.connector, MultiConnector):
-        meta = MultiKVConnectorWorkerMetadata(metadata=(meta,))
-    mo.kv_connector_output = KVConnectorOutput(
-        finished_recving=set(recved) or None,
-        invalid_block_ids=set(invalid),
-        kv_connector_worker_meta=meta,
-    )
-    return mo
-
-
-def offloading_metadata(so: Any) -> Any:
-    """The step's offloading connector metadata (inside a MultiConnector's, if any)."""
-    meta = so.kv_connector_metadata
-    return meta.metadata[0] if isinstance(meta, MultiKVConnectorMetadata) else meta
 
 
 def store_blocks(so: Any) -> dict[int, list[int]]:

@@ -278,7 +278,9 @@ def test_r_swa_gap_blocks_freed_after_clean_steps_are_not_quarantined(
 def test_hybrid_model_with_the_guarded_offloading_connector(fail: bool, windowed: str) -> None:
     """Stores cover validated blocks only, and the window frees that vLLM makes before
     handing a finished request to the connector quarantine nothing after clean steps."""
-    from .test_offloading import STORABLE, output, store_blocks, transfer_config
+    from .harness import connector_output as output
+    from .harness import transfer_config
+    from .test_offloading import STORABLE, store_blocks
 
     s = make_scheduler(groups=("full", windowed), kv_transfer_config=transfer_config())
     s.add_request(make_request("a", PROMPT, max_tokens=12))
