@@ -22,6 +22,10 @@ full-attention group (``full``, ``sliding``, ``chunked``, ``rswa``: a hybrid mod
 window or local-chunk frees go through the guard's window wrapper; ``--window`` sets
 their size in tokens, default 256).
 
+``--offload`` gives both schedulers vLLM's CPU offloading (``OffloadingConnector``; the
+guarded side runs kvguard's ``GuardedOffloadingConnector``, its offload gate); the
+"workers" finish every transfer job with the step's output.
+
 ``--control`` runs stock vLLM on both sides: the ratio this method reports for two
 identical schedulers, i.e. its own bias and noise floor on the machine at hand.
 """
@@ -45,7 +49,15 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     import vllm
 
-    from tests.vllm.harness import BLOCK, make_request, make_scheduler, model_output
+    from tests.vllm.harness import (
+        BLOCK,
+        connector_output,
+        make_request,
+        make_scheduler,
+        model_output,
+        offloading_metadata,
+        transfer_config,
+    )
 
 _clock = time.perf_counter
 
@@ -63,7 +75,14 @@ class Side:
             kvguard={"check_invariants": False},
             groups=args.groups,
             window=args.window,
+            kv_transfer_config=(
+                transfer_config("GuardedOffloadingConnector" if guarded else "OffloadingConnector")
+                if args.offload
+                else None
+            ),
         )
+        self.offload = args.offload
+        self.store_jobs = self.load_jobs = 0
         self.pending: list[Any] = []
         self.step_times: list[float] = []
         self.schedule_times: list[float] = []
@@ -78,11 +97,27 @@ class Side:
         self.pending.append(so)
         if len(self.pending) == self.depth:
             done = self.pending.pop(0)
-            mro = model_output(s, done)  # the "worker": not timed
+            mro = self.worker_output(done)  # the "worker": not timed
             start = _clock()
             s.update_from_output(done, mro)
             elapsed += _clock() - start
         self.step_times.append(elapsed)
+
+    def worker_output(self, scheduler_output: Any) -> Any:
+        """What the workers send back for a step; with offloading, every transfer job
+        of the step done (the loading requests' KV received)."""
+        s = self.scheduler
+        if not self.offload:
+            return model_output(s, scheduler_output)
+        meta = offloading_metadata(scheduler_output)
+        self.store_jobs += len(meta.store_jobs)
+        self.load_jobs += len(meta.load_jobs)
+        return connector_output(
+            s,
+            scheduler_output,
+            completed=[*meta.store_jobs, *meta.load_jobs],
+            recved=[job.req_id for job in meta.load_jobs.values()],
+        )
 
 
 def run_round(args: argparse.Namespace, repeat: int) -> tuple[Side, Side]:
@@ -136,6 +171,11 @@ def main() -> None:
     )
     parser.add_argument("--window", type=int, default=256, help="window / chunk, in tokens")
     parser.add_argument(
+        "--offload",
+        action="store_true",
+        help="vLLM's CPU offloading on both sides (kvguard's gate on the guarded one)",
+    )
+    parser.add_argument(
         "--control", action="store_true", help="stock vLLM on both sides (the method's bias)"
     )
     args = parser.parse_args()
@@ -147,6 +187,7 @@ def main() -> None:
         f"{'async' if args.async_scheduling else 'sync'} scheduling, "
         f"output tokens {args.output_tokens[0]}..{args.output_tokens[1] - 1}, "
         f"KV cache groups {'+'.join(args.groups)}"
+        + (", CPU offloading" if args.offload else "")
         + (", CONTROL RUN: stock vLLM on both sides" if args.control else "")
     )
     # The second side's name in the report ("stock#2" in a control run).
@@ -191,6 +232,12 @@ def main() -> None:
         f"{name} {upd_guard / steps * 1e6:7.1f} us/step, ratio {upd_guard / upd_stock:.3f} "
         "(approx.: step best minus schedule best)"
     )
+    if args.offload:  # the same trace each round: the last one's counts
+        stock, guard = stock_rounds[-1], guard_rounds[-1]
+        print(
+            f"offloading, per round: stock {stock.store_jobs} store / {stock.load_jobs} load "
+            f"jobs, {name} {guard.store_jobs} / {guard.load_jobs}"
+        )
     print(f"median of per-round ratios: {median:.3f}")
     goal = "(the method's bias: ideally 1.000)" if args.control else "(goal <= 1.02)"
     print(f"ratio {name}/stock = {sum(best_guard) / sum(best_stock):.3f} {goal}")

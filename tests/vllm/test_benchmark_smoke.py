@@ -21,6 +21,7 @@ pytest.importorskip("vllm")
         ["--control"],
         ["--output-tokens", "64", "96"],
         ["--groups", "full,sliding", "--window", "64"],
+        ["--offload"],
     ],
 )
 def test_scheduler_benchmark_runs_both_schedulers_on_one_trace(mode: list[str]) -> None:
@@ -36,3 +37,6 @@ def test_scheduler_benchmark_runs_both_schedulers_on_one_trace(mode: list[str]) 
     assert f"output tokens {low}..{int(high) - 1}" in out
     groups = mode[1].replace(",", "+") if "--groups" in mode else "full"
     assert f"KV cache groups {groups}" in out
+    if "--offload" in mode:
+        jobs = re.search(r"offloading, per round: stock (\d+) store / \d+ load jobs", out)
+        assert jobs is not None and int(jobs.group(1)) > 0

@@ -63,7 +63,7 @@ _WRITTEN = BlockState.WRITTEN
 
 
 @functools.cache
-def _group_suffix(group_id: int) -> bytes:
+def group_suffix(group_id: int) -> bytes:
     """What make_block_hash_with_group_id appends to a block hash: the group id's 4
     big-endian bytes."""
     return group_id.to_bytes(4, "big", signed=False)
@@ -232,7 +232,7 @@ class GuardedBlockPool(BlockPool):
         lookup = self._cached_block_id
         for group_id in kv_cache_group_ids:
             # make_block_hash_with_group_id, inlined (BlockHash is a NewType).
-            block_id = lookup(block_hash + _group_suffix(group_id))
+            block_id = lookup(block_hash + group_suffix(group_id))
             if block_id is None:
                 return None
             out.append(self.blocks[block_id])
@@ -267,7 +267,7 @@ class GuardedBlockPool(BlockPool):
         hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size, block_size)
         # make_block_hash_with_group_id(h, g) is h + g's 4 big-endian bytes (inlined:
         # BlockHash/BlockHashWithGroupId are NewTypes, i.e. calls that return their arg).
-        suffix = _group_suffix(kv_cache_group_id)
+        suffix = group_suffix(kv_cache_group_id)
         parent: BlockHash | None = None
         if num_cached_blocks:
             parent = hashes[num_cached_blocks - 1] + suffix

@@ -65,7 +65,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import ( 
 )
 from vllm.logger import init_logger  # noqa: E402
 from vllm.v1.core.kv_cache_utils import (  # noqa: E402
-    make_block_hash_with_group_id,
     resolve_block_hashes,
 )
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
@@ -75,7 +74,7 @@ from kvguard.hashing import BlockHash  # noqa: E402
 from kvguard.results import StoreTicket  # noqa: E402
 from kvguard.states import STORABLE_STATES  # noqa: E402
 
-from .block_pool import GuardedBlockPool  # noqa: E402
+from .block_pool import GuardedBlockPool, group_suffix  # noqa: E402
 from .metrics import CONNECTOR_HELP  # noqa: E402
 
 logger = init_logger(__name__)
@@ -144,11 +143,12 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
 
     def _kvguard_validated_tokens(self, pool: GuardedBlockPool, req_status: Any) -> int:
         """Tokens of the request's leading blocks kvguard allows to be stored: each
-        block VALIDATED or later and carrying this request's hash for its position."""
-        core = pool.core
-        assert core is not None
-        state = core.block_state
-        block_hash = core.block_hash
+        block VALIDATED or later and carrying this request's hash for its position.
+
+        Called for every scheduled request at every step, so it reads kvguard's block
+        records (the objects vLLM holds as its blocks) instead of asking the pool per
+        block; usually the first block past vLLM's chunk pointer stops it."""
+        records = pool.blocks
         blocks_per_chunk = self.config.blocks_per_chunk
         request = req_status.req
         limit: int | None = None
@@ -156,7 +156,8 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
             self.config.kv_group_configs, req_status.group_states, strict=True
         ):
             block_size = group_config.tokens_per_block
-            group_id = group_config.group_idx
+            # make_block_hash_with_group_id(h, g) is h + g's 4 big-endian bytes.
+            suffix = group_suffix(group_config.group_idx)
             hashes = resolve_block_hashes(request.block_hashes, pool.hash_block_size, block_size)
             block_ids = group_state.block_ids
             end = min(len(block_ids), len(hashes))
@@ -164,11 +165,11 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
             n = min(group_state.next_stored_chunk_idx * blocks_per_chunk, end)
             while n < end:
                 block_id = block_ids[n]
-                if not block_id or state(block_id) not in STORABLE_STATES:
-                    break
-                key = BlockHash(make_block_hash_with_group_id(hashes[n], group_id))
-                if block_hash(block_id) != key:
-                    break  # reused for other tokens since this request held it
+                if not block_id:
+                    break  # the null block (outside a window)
+                block = records[block_id]
+                if block.state not in STORABLE_STATES or block.block_hash != hashes[n] + suffix:
+                    break  # unvalidated, or reused for other tokens since this request held it
                 n += 1
             tokens = n * block_size
             limit = tokens if limit is None else min(limit, tokens)
