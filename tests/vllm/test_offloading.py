@@ -130,6 +130,30 @@ def test_store_jobs_never_include_unvalidated_blocks(async_scheduling: bool) -> 
     assert guarded.kvguard_pool.core.tier_copies(kvguard_hash(PROMPT, 0)) == (TIER,)
 
 
+@pytest.mark.parametrize("own_limit", [None, 2 * BLOCK])
+def test_a_requests_own_max_offload_tokens_is_kept(own_limit: int | None) -> None:
+    """kvguard's clamp rides on vLLM's per-request ``max_offload_tokens`` while store
+    jobs are built: a request's own setting still caps what is stored, and reads the
+    same after every step."""
+    s = offload_scheduler(max_num_batched_tokens=BLOCK)
+    request = make_request("a", PROMPT, max_tokens=2)
+    if own_limit is not None:
+        request.kv_transfer_params = {"max_offload_tokens": own_limit}
+    s.add_request(request)
+    status = s.connector.connector_scheduler._req_status
+    completed: list[int] = []
+    while s.requests:
+        so = s.schedule()
+        assert status["a"].max_offload_tokens == own_limit
+        jobs = list(store_blocks(so))
+        s.update_from_output(so, output(s, so, completed=completed))
+        completed = jobs
+    so = s.schedule()
+    s.update_from_output(so, output(s, so, completed=completed))
+    stored = 4 if own_limit is None else own_limit // BLOCK
+    assert tier_state(s, PROMPT) == [HIT] * stored + [MISS] * (4 - stored)
+
+
 def test_failed_request_stores_its_validated_chunks_only_and_they_hit() -> None:
     s = offload_scheduler(max_num_batched_tokens=BLOCK)
     core = s.kvguard_pool.core

@@ -89,8 +89,6 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._kvguard_kv_cache_manager: Any = None
-        # Request id -> offloadable tokens kvguard allows, while store jobs are built.
-        self._kvguard_limits: dict[str, int] | None = None
         # Store job id -> offload key -> the tickets of the blocks that chunk copies.
         self._kvguard_tickets: dict[int, dict[Any, list[StoreTicket]]] = {}
         # Offload key -> the block hashes kvguard records a tier copy of for it: what
@@ -175,31 +173,34 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
             limit = tokens if limit is None else min(limit, tokens)
         return limit or 0
 
-    def _calc_num_offloadable_tokens(self, req_status: Any, num_computed_tokens: int) -> int:
-        num: int = super()._calc_num_offloadable_tokens(req_status, num_computed_tokens)
-        limits = self._kvguard_limits
-        if limits is not None:
-            limit = limits.get(req_status.req.request_id)
-            if limit is not None and limit < num:
-                return limit
-        return num
-
     def _build_store_jobs(self, scheduler_output: Any) -> dict[int, Any]:
         pool = self.kvguard_pool()
         if pool is None:
             return super()._build_store_jobs(scheduler_output)
-        limits: dict[str, int] = {}
-        for req_id in chain(
-            scheduler_output.num_scheduled_tokens, scheduler_output.finished_req_ids or ()
-        ):
-            req_status = self._req_status.get(req_id)
-            if req_status is not None:
-                limits[req_id] = self._kvguard_validated_tokens(pool, req_status)
-        self._kvguard_limits = limits
+        # While vLLM builds the step's store jobs, each request's offloadable range is
+        # clamped by vLLM's own per-request knob, ``max_offload_tokens`` (a request's
+        # kv_transfer_params setting, read by _calc_num_offloadable_tokens alone
+        # there), lowered to what kvguard allows; the request's own value comes back
+        # after.
+        statuses = self._req_status
+        validated_tokens = self._kvguard_validated_tokens
+        clamped: list[tuple[Any, int | None]] = []
         try:
+            for req_id in chain(
+                scheduler_output.num_scheduled_tokens, scheduler_output.finished_req_ids or ()
+            ):
+                req_status = statuses.get(req_id)
+                if req_status is None:
+                    continue
+                limit = validated_tokens(pool, req_status)
+                own = req_status.max_offload_tokens
+                clamped.append((req_status, own))
+                if own is None or limit < own:
+                    req_status.max_offload_tokens = limit
             jobs = super()._build_store_jobs(scheduler_output)
         finally:
-            self._kvguard_limits = None
+            for req_status, own in reversed(clamped):
+                req_status.max_offload_tokens = own
         return self._kvguard_admit(pool, jobs)
 
     def _build_partial_tail_store_jobs(self, scheduler_output: Any) -> dict[int, Any]:
