@@ -11,7 +11,16 @@ from kvguard.events import BlockRemoved
 from kvguard.hashing import BlockHash
 from kvguard.pool_core import PoolCore
 from kvguard.results import InvalidationReport, StoreTicket
-from kvguard.states import MATCHABLE_STATES, STORABLE_STATES, BlockEvent
+from kvguard.states import MATCHABLE_STATES, STORABLE_STATES, TRANSITIONS, BlockEvent
+
+# STORE_ACK's row of the transition table, for ack_store's hot path: defined for every
+# storable state (checked at import).
+_STORE_ACK_TO = {
+    state: row[BlockEvent.STORE_ACK]
+    for state, row in TRANSITIONS.items()
+    if BlockEvent.STORE_ACK in row
+}
+assert _STORE_ACK_TO.keys() >= STORABLE_STATES
 
 
 class TierGate(PoolCore):
@@ -34,7 +43,9 @@ class TierGate(PoolCore):
 
     def begin_store(self, block_id: int, tier: str = "default") -> StoreTicket:
         """Start copying a validated block to ``tier``; raises unless VALIDATED or later."""
-        block = self._block(block_id)
+        if type(block_id) is not int or not 0 <= block_id < self.num_blocks:
+            self._block(block_id)  # raises UnknownBlockError
+        block = self._blocks[block_id]
         if block.state not in STORABLE_STATES or block.block_hash is None:
             raise NotStorableError(
                 f"block {block_id} is {block.state.name}"
@@ -45,7 +56,8 @@ class TierGate(PoolCore):
         return self._tiers.issue(block_id, block.block_hash, block.generation, tier)
 
     def _retire(self, ticket: StoreTicket) -> None:
-        if self._tiers.tickets.get(ticket.ticket_id) != ticket:
+        held = self._tiers.tickets.get(ticket.ticket_id)
+        if held is not ticket and held != ticket:  # (the ticket issued, or an equal copy)
             raise UnknownTicketError(
                 f"store ticket {ticket.ticket_id} is not in flight (acknowledged or failed "
                 "already, or issued by another pool)"
@@ -65,7 +77,7 @@ class TierGate(PoolCore):
         ):
             self._counters.dropped_acks += 1
             return False
-        self._move(block, BlockEvent.STORE_ACK)
+        block.state = _STORE_ACK_TO[block.state]  # _move(block, STORE_ACK), inlined
         self._tiers.add_copy(ticket.block_hash, block.parent_hash, ticket.tier)
         self._counters.stores_acknowledged += 1
         return True

@@ -322,6 +322,25 @@ def test_tier_copy_bookkeeping() -> None:
     )
 
 
+def test_store_tickets_are_frozen_store_tickets_and_equal_copies_are_accepted() -> None:
+    import dataclasses
+
+    from kvguard import StoreTicket
+
+    pool = make_pool(8, 4)
+    publish(pool, "a", PROMPT)
+    block = pool.block_table("a")[0]
+    ticket = pool.begin_store(block, "cpu")
+    assert type(ticket) is StoreTicket
+    fields = dataclasses.astuple(ticket)
+    assert ticket == StoreTicket(*fields) and hash(ticket) == hash(StoreTicket(*fields))
+    assert fields == (ticket.ticket_id, block, pool.block_hash(block), ticket.generation, "cpu")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ticket.generation += 1  # type: ignore[misc]
+    # The pool accepts the ticket it issued, or an equal copy of it (e.g. unpickled).
+    assert pool.ack_store(dataclasses.replace(ticket))
+
+
 # ---------------------------------------------------------------- rollback
 
 
