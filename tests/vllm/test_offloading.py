@@ -254,7 +254,7 @@ def test_unvalidated_block_in_a_store_job_cancels_it(monkeypatch: pytest.MonkeyP
     s = offload_scheduler(max_num_batched_tokens=BLOCK)
     cs = s.connector.connector_scheduler
     with monkeypatch.context() as m:
-        m.setattr(cs, "_kvguard_validated_tokens", lambda pool, req_status: 10**9)
+        m.setattr(cs, "_kvguard_validated_tokens", lambda pool, groups, req_status: 10**9)
         s.add_request(make_request("a", PROMPT[: 2 * BLOCK]))
         so = s.schedule()
     assert store_blocks(so) == {}

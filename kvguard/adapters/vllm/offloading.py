@@ -139,7 +139,22 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
 
     # ------------------------------------------------------------------ store admission
 
-    def _kvguard_validated_tokens(self, pool: GuardedBlockPool, req_status: Any) -> int:
+    def _kvguard_group_views(self, pool: GuardedBlockPool) -> list[tuple[int, bytes, bool]]:
+        """Per KV cache group the connector stores: its block size, the suffix its
+        hashes carry in kvguard's keys (make_block_hash_with_group_id(h, g) is h + g's 4
+        big-endian bytes), and whether the request's hashes need a view at that size."""
+        return [
+            (
+                config.tokens_per_block,
+                group_suffix(config.group_idx),
+                config.tokens_per_block != pool.hash_block_size,
+            )
+            for config in self.config.kv_group_configs
+        ]
+
+    def _kvguard_validated_tokens(
+        self, pool: GuardedBlockPool, groups: list[tuple[int, bytes, bool]], req_status: Any
+    ) -> int:
         """Tokens of the request's leading blocks kvguard allows to be stored: each
         block VALIDATED or later and carrying this request's hash for its position.
 
@@ -148,15 +163,15 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
         block; usually the first block past vLLM's chunk pointer stops it."""
         records = pool.blocks
         blocks_per_chunk = self.config.blocks_per_chunk
-        request = req_status.req
-        limit: int | None = None
-        for group_config, group_state in zip(
-            self.config.kv_group_configs, req_status.group_states, strict=True
-        ):
-            block_size = group_config.tokens_per_block
-            # make_block_hash_with_group_id(h, g) is h + g's 4 big-endian bytes.
-            suffix = group_suffix(group_config.group_idx)
-            hashes = resolve_block_hashes(request.block_hashes, pool.hash_block_size, block_size)
+        request_hashes = req_status.req.block_hashes
+        limit = -1
+        views = zip(groups, req_status.group_states, strict=True)
+        for (block_size, suffix, resized), group_state in views:
+            hashes = (
+                resolve_block_hashes(request_hashes, pool.hash_block_size, block_size)
+                if resized
+                else request_hashes
+            )
             block_ids = group_state.block_ids
             end = min(len(block_ids), len(hashes))
             # Chunks before vLLM's pointer were offered already; only newer ones count.
@@ -170,8 +185,9 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
                     break  # unvalidated, or reused for other tokens since this request held it
                 n += 1
             tokens = n * block_size
-            limit = tokens if limit is None else min(limit, tokens)
-        return limit or 0
+            if limit < 0 or tokens < limit:
+                limit = tokens
+        return max(limit, 0)
 
     def _build_store_jobs(self, scheduler_output: Any) -> dict[int, Any]:
         pool = self.kvguard_pool()
@@ -184,6 +200,7 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
         # after.
         statuses = self._req_status
         validated_tokens = self._kvguard_validated_tokens
+        groups = self._kvguard_group_views(pool)
         clamped: list[tuple[Any, int | None]] = []
         try:
             for req_id in chain(
@@ -192,7 +209,7 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
                 req_status = statuses.get(req_id)
                 if req_status is None:
                     continue
-                limit = validated_tokens(pool, req_status)
+                limit = validated_tokens(pool, groups, req_status)
                 own = req_status.max_offload_tokens
                 clamped.append((req_status, own))
                 if own is None or limit < own:
