@@ -31,6 +31,7 @@ assert [f.name for f in fields(StoreTicket)] == [
     "generation",
     "tier",
 ], "StoreTicket's fields changed: update the setters above"
+assert not hasattr(StoreTicket, "__post_init__"), "_issue_ticket would skip __post_init__"
 
 
 def _issue_ticket(
