@@ -154,6 +154,49 @@ def test_a_requests_own_max_offload_tokens_is_kept(own_limit: int | None) -> Non
     assert tier_state(s, PROMPT) == [HIT] * stored + [MISS] * (4 - stored)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_prefix_hit_is_offered_with_the_requests_own_chunks(
+    async_scheduling: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request admitted on a prefix hit has its hit chunks offered to the tier in
+    the same ``prepare_store`` call as its own first chunks -- once those validated --
+    as stock vLLM offers them together at admission; not one call early for the hits
+    alone."""
+
+    def offers(connector: str, guarded: bool) -> list[int]:
+        s = offload_scheduler(
+            connector=connector, guarded=guarded, async_scheduling=async_scheduling
+        )
+        manager = s.connector.connector_scheduler.manager
+        calls: list[int] = []
+        prepare_store = manager.prepare_store
+
+        def counted(keys: Any, req_context: Any) -> Any:
+            if req_context.req_id == "b":
+                calls.append(len(list(keys)))
+            return prepare_store(keys, req_context)
+
+        monkeypatch.setattr(manager, "prepare_store", counted)
+        s.add_request(make_request("a", PROMPT[: 2 * BLOCK], max_tokens=1))
+        pending: list[Any] = []
+        completed: list[int] = []
+        for t in range(12):
+            if t == 3:  # a's blocks are cached: b hits both
+                s.add_request(make_request("b", PROMPT[: 2 * BLOCK] + [7] * BLOCK, max_tokens=1))
+            pending.append(s.schedule())
+            if async_scheduling and len(pending) < 2:
+                continue
+            so = pending.pop(0)
+            jobs = list(store_blocks(so))
+            s.update_from_output(so, output(s, so, completed=completed))
+            completed = jobs
+        assert "b" not in s.requests
+        return calls
+
+    assert offers("OffloadingConnector", guarded=False) == [3]
+    assert offers("GuardedOffloadingConnector", guarded=True) == [3]
+
+
 def test_failed_request_stores_its_validated_chunks_only_and_they_hit() -> None:
     s = offload_scheduler(max_num_batched_tokens=BLOCK)
     core = s.kvguard_pool.core

@@ -189,6 +189,23 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
                 limit = tokens
         return max(limit, 0)
 
+    def _kvguard_hold_back_hits(self, req_status: Any, limit: int) -> int:
+        """``limit`` for a request whose storable blocks past vLLM's chunk pointer are
+        all prefix-cache hits: while it is running, nothing, until its own first blocks
+        validate too -- then vLLM offers both in one ``prepare_store`` call, as stock
+        vLLM does at admission (the hit chunks most often are in the tier already; a
+        request that ends first offers them when it finishes)."""
+        if req_status.req.is_finished():
+            return limit
+        blocks_per_chunk = self.config.blocks_per_chunk
+        offered = min(
+            group_state.next_stored_chunk_idx * blocks_per_chunk * config.tokens_per_block
+            for config, group_state in zip(
+                self.config.kv_group_configs, req_status.group_states, strict=True
+            )
+        )
+        return min(limit, offered)
+
     def _build_store_jobs(self, scheduler_output: Any) -> dict[int, Any]:
         pool = self.kvguard_pool()
         if pool is None:
@@ -210,6 +227,8 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
                 if req_status is None:
                     continue
                 limit = validated_tokens(pool, groups, req_status)
+                if limit <= req_status.num_locally_computed_tokens:
+                    limit = self._kvguard_hold_back_hits(req_status, limit)
                 own = req_status.max_offload_tokens
                 clamped.append((req_status, own))
                 if own is None or limit < own:
