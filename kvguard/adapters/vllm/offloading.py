@@ -355,10 +355,11 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
         assert core is not None
         discard: list[Any] = []
         stored = self._kvguard_stored
-        for key, taken in by_key.items():
-            acks = [core.ack_store(ticket) for ticket in taken]
-            if all(acks):
-                stored[key] = tuple(ticket.block_hash for ticket in taken)
+        ack = core.ack_store
+        for key, taken in by_key.items():  # (one chunk each: per stored chunk, lean)
+            acks = [ack(ticket) for ticket in taken]
+            if False not in acks:
+                stored[key] = tuple([ticket.block_hash for ticket in taken])
                 continue
             for ticket, ok in zip(taken, acks, strict=True):
                 if ok:  # the chunk goes as a whole
