@@ -12,7 +12,9 @@ code unchanged.
   holds as VALIDATED/PUBLISHED/OFFLOADED *with this request's hash at that position*;
   vLLM's chunk pointer stops there, so a chunk is offered again at the first step
   after the step that filled it validated. A quarantined or still-unchecked chunk is
-  never offered, not even when its request finishes.
+  never offered, not even when its request finishes. (The clamp rides on vLLM's own
+  per-request ``max_offload_tokens``; a running request's prefix-hit chunks wait for
+  its own first chunks, to be offered in one call as stock vLLM offers them.)
 * **One ``StoreTicket`` per source block** (``BlockPool.begin_store``) for every job
   vLLM builds; a job with a block the core refuses is cancelled (never reaches a
   worker) -- a second line behind the clamp.
