@@ -191,7 +191,9 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
                 limit = tokens
         return max(limit, 0)
 
-    def _kvguard_hold_back_hits(self, req_status: Any, limit: int) -> int:
+    def _kvguard_hold_back_hits(
+        self, groups: list[tuple[int, bytes, bool]], req_status: Any, limit: int
+    ) -> int:
         """``limit`` for a request whose storable blocks past vLLM's chunk pointer are
         all prefix-cache hits: while it is running, nothing, until its own first blocks
         validate too -- then vLLM offers both in one ``prepare_store`` call, as stock
@@ -201,10 +203,8 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
             return limit
         blocks_per_chunk = self.config.blocks_per_chunk
         offered = min(
-            group_state.next_stored_chunk_idx * blocks_per_chunk * config.tokens_per_block
-            for config, group_state in zip(
-                self.config.kv_group_configs, req_status.group_states, strict=True
-            )
+            group_state.next_stored_chunk_idx * blocks_per_chunk * block_size
+            for (block_size, _, _), group_state in zip(groups, req_status.group_states, strict=True)
         )
         return min(limit, offered)
 
@@ -230,7 +230,7 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
                     continue
                 limit = validated_tokens(pool, groups, req_status)
                 if limit <= req_status.num_locally_computed_tokens:
-                    limit = self._kvguard_hold_back_hits(req_status, limit)
+                    limit = self._kvguard_hold_back_hits(groups, req_status, limit)
                 own = req_status.max_offload_tokens
                 clamped.append((req_status, own))
                 if own is None or limit < own:
