@@ -16,7 +16,10 @@ does nothing unless ``KVGUARD_GUARD=1`` is set explicitly; then, in that process
   ``GuardedAsyncScheduler`` with async scheduling, else ``GuardedScheduler``;
 * registers ``GuardedOffloadingConnector`` with vLLM's connector factory and gives it
   to ``kv_connector="OffloadingConnector"`` (a subclass: workers run vLLM's code;
-  store jobs cover validated blocks only, see :mod:`kvguard.adapters.vllm.offloading`).
+  store jobs cover validated blocks only, see :mod:`kvguard.adapters.vllm.offloading`);
+* makes vLLM's model runners count NaN logits per request rather than per logits row,
+  which is what lets the guard validate steps under speculative decoding (see
+  :mod:`kvguard.adapters.vllm.worker_nans`; applied when a runner's module is imported).
 
 Idempotent: vLLM may load plugins several times per process.
 """
@@ -56,6 +59,15 @@ def register() -> None:
     _patch_zeroing()
     _patch_scheduler_cls()
     _patch_connector_cls()
+    from kvguard.adapters.vllm import worker_nans
+
+    worker_nans.install()
+
+
+def worker_counts_per_request(environ: Any = os.environ) -> bool:
+    """Whether vLLM's workers count NaN logits per request: the plugin, which vLLM
+    runs in every process it starts, makes them so when ``KVGUARD_GUARD=1``."""
+    return requested(environ)
 
 
 def _patch_zeroing() -> None:

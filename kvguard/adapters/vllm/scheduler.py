@@ -53,7 +53,7 @@ from .config import GuardConfig, GuardConfigError  # noqa: E402
 from .ledger import StepLedger  # noqa: E402
 from .manager import install_guarded_pool  # noqa: E402
 from .metrics import GuardMetrics, connector_counters, register_prometheus  # noqa: E402
-from .plugin import stock_needs_zeroing  # noqa: E402
+from .plugin import GUARD_ENV, stock_needs_zeroing, worker_counts_per_request  # noqa: E402
 
 logger = init_logger(__name__)
 
@@ -80,17 +80,24 @@ class _GuardMixin:
                 f"and its workers. Set {NAN_SETTING}=1, or KVGUARD_GUARD=0 to run the "
                 "scheduler in pass-through mode."
             )
-        if guard.enabled and self.vllm_config.speculative_config is not None:
+        if (
+            guard.enabled
+            and self.vllm_config.speculative_config is not None
+            and not worker_counts_per_request()
+        ):
             # vLLM 0.33's workers count NaNs per logits row and map row i to the i-th
             # request (nans_to_dict). With draft tokens a request has several rows, so
             # the counts name the wrong requests and rows past the batch size are
-            # dropped: a step could validate KV computed from NaN logits.
+            # dropped: a step could validate KV computed from NaN logits. kvguard's
+            # plugin makes the workers count per request (kvguard.adapters.vllm.worker_nans).
             raise GuardModeUnsupported(
-                "kvguard cannot validate steps under speculative decoding with vLLM "
-                f"{vllm.__version__}: its per-request NaN counts are taken per logits "
-                "row, so with draft tokens they belong to other requests. Turn "
-                "speculative decoding off (no speculative_config), or set KVGUARD_GUARD=0 "
-                "to run the scheduler in pass-through mode."
+                "kvguard validates steps under speculative decoding only when vLLM's "
+                "workers count NaN logits per request, not per logits row (what vLLM "
+                f"{vllm.__version__} does: with draft tokens its counts belong to other "
+                f"requests). Set {GUARD_ENV}=1 in the environment of the engine and its "
+                "workers: kvguard's vLLM plugin then makes every worker count per request. "
+                "Or turn speculative decoding off, or run the scheduler in pass-through "
+                f"mode ({GUARD_ENV}=0)."
             )
         self._kvguard_ledger = StepLedger()
         # Blocks filled without a step of their request (connector loads), waiting
