@@ -6,7 +6,8 @@ kvguard`` never imports this package.
 
 * :class:`KVCacheLayout` — describe the per-layer cache tensors once.
 * :func:`zero_blocks` / :func:`zero_slots` — zero blocks / token slots in every layer.
-* :func:`count_nonfinite_per_request` — per-request NaN (and ±Inf) counts of logits.
+* :func:`count_nonfinite_per_request` — per-request NaN (and ±Inf) counts of logits;
+  :func:`sum_rows_per_request` for counts already taken per row.
 * :func:`audit_blocks` — per-block "holds a non-finite value" flags.
 * :class:`CacheWiper` — drains a pool's zeroing queues; ``zero_request_tail``.
 """
@@ -17,6 +18,7 @@ from kvguard.kernels.count_nonfinite import (
     NonFiniteMode,
     count_nonfinite_per_request,
     count_nonfinite_per_request_ref,
+    sum_rows_per_request,
 )
 from kvguard.kernels.layout import KVCacheLayout, LayoutError, LayoutKind, Region
 from kvguard.kernels.wiper import CacheWiper, FlushResult, TailWipe, ZeroingSource
@@ -42,6 +44,7 @@ __all__ = [
     "count_nonfinite_per_request_ref",
     "resolve_backend",
     "slot_ids",
+    "sum_rows_per_request",
     "zero_blocks",
     "zero_blocks_ref",
     "zero_slots",

@@ -29,7 +29,12 @@ from kvguard.kernels.backend import (
     triton,
 )
 
-__all__ = ["NonFiniteMode", "count_nonfinite_per_request", "count_nonfinite_per_request_ref"]
+__all__ = [
+    "NonFiniteMode",
+    "count_nonfinite_per_request",
+    "count_nonfinite_per_request_ref",
+    "sum_rows_per_request",
+]
 
 # Launch shape, measured on an H200 (docs/kernels.md, "Speed"): columns one load reads at
 # most, the work items to aim for per program (how finely columns are split), warps per
@@ -109,11 +114,22 @@ def count_nonfinite_per_request_ref(
     """
     values = logits.float() if logits.element_size() == 1 else logits  # float8: no isnan
     bad = torch.isnan(values) if mode is NonFiniteMode.NAN else ~torch.isfinite(values)
-    per_row = bad.sum(dim=-1)
+    return sum_rows_per_request(bad.sum(dim=-1), cu_rows)
+
+
+def sum_rows_per_request(per_row: torch.Tensor, cu_rows: torch.Tensor) -> torch.Tensor:
+    """Per-row counts ``[num_rows]`` summed per request: int32 ``[num_requests]``.
+
+    ``cu_rows`` as for :func:`count_nonfinite_per_request` (a malformed range is clamped
+    into the rows, never read out of bounds). For counts an engine already took per row
+    (vLLM's ``num_nans`` under speculative decoding). Gathers on the device only: no
+    host synchronisation.
+    """
+    num_rows = per_row.shape[0]
     # Segment sum by differences of a prefix sum: gathers only, no .item().
-    prefix = torch.zeros(logits.shape[0] + 1, dtype=torch.int64, device=logits.device)
+    prefix = torch.zeros(num_rows + 1, dtype=torch.int64, device=per_row.device)
     prefix[1:] = per_row.cumsum(0)
-    bounds = cu_rows.to(torch.int64).clamp(0, logits.shape[0])
+    bounds = cu_rows.to(device=per_row.device, dtype=torch.int64).clamp(0, num_rows)
     start = bounds[:-1]
     end = torch.maximum(bounds[1:], start)
     return (prefix[end] - prefix[start]).to(torch.int32)

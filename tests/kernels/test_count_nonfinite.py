@@ -7,6 +7,7 @@ import pytest
 pytest.importorskip("torch")
 
 import importlib
+import itertools
 
 import torch
 
@@ -177,3 +178,30 @@ def test_rejects_bad_inputs() -> None:
         count_nonfinite_per_request(logits, torch.tensor([], dtype=torch.int64))
     with pytest.raises(ValueError, match="not a valid NonFiniteMode"):
         count_nonfinite_per_request(logits, torch.tensor([0, 3]), "inf")
+
+
+def test_sum_rows_per_request_matches_a_loop_and_never_syncs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Counts an engine took per row, summed per request (vLLM's ``num_nans`` under
+    speculative decoding): multi-row, empty and single-row requests, rows past the last
+    request (padding) ignored, malformed bounds clamped; no device value read back."""
+    g = seeded(41)
+    per_row = torch.randint(0, 5, (11,), generator=g, dtype=torch.int32)
+    values = per_row.tolist()
+    cases = [[0, 3, 3, 4, 9], [0, 11], [0], [0, 2, 99], [4, 1, 3]]
+    want = [
+        [sum(values[max(0, a) : min(max(a, b), 11)]) for a, b in itertools.pairwise(cu)]
+        for cu in cases
+    ]
+    got = []
+    with monkeypatch.context() as m:
+        for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__index__"):
+            m.setattr(torch.Tensor, name, lambda *a, **k: pytest.fail("host synchronisation"))
+        for cu in cases:
+            got.append(
+                count_module.sum_rows_per_request(on_device(per_row), on_device(torch.tensor(cu)))
+            )
+    assert [out.tolist() for out in got] == want
+    assert all(out.dtype == torch.int32 for out in got)
+    assert want[0] == [sum(values[0:3]), 0, values[3], sum(values[4:9])]

@@ -1,0 +1,201 @@
+"""Per-request NaN counts in vLLM's model runners: what lets a step validate under
+speculative decoding.
+
+vLLM 0.33 counts NaN logits per logits *row* and reports row ``i`` as the ``i``-th
+request's count (the V1 runner's ``nans_to_dict``, the V2 runner's output zipping its
+counts with the request ids). Without draft tokens a request owns one row and that is
+right. With them a decoding request owns ``1 + drafts`` consecutive rows, so the counts
+name the wrong requests and the rows past the batch size are never reported: the guard
+would validate KV computed alongside NaN logits.
+
+:func:`install` (run by kvguard's plugin, ``KVGUARD_GUARD=1``, in every process vLLM
+starts) makes both runners count per request, summing each request's rows -- a NaN in
+any of its rows, a rejected draft's included, fails the request (its step computed on
+something broken). A step without draft rows runs vLLM's code unchanged:
+
+* **V1** (``vllm.v1.worker.gpu_model_runner``): while ``_bookkeeping_sync`` books a step
+  with drafts, the module's ``count_nans_per_row`` -- which both its sync path
+  (``_get_nans_in_logits``) and its async path (the counts left on the device) call --
+  sums vLLM's per-row counts over the rows vLLM laid out for the step: ``1 +
+  len(drafts)`` per request, in the input batch's order (``_prepare_inputs``). Should
+  the logits not match that layout, every request is given the whole step's count:
+  the safe side.
+* **V2** (``vllm.v1.worker.gpu.model_runner``): ``sample``'s per-row counts (the
+  rejection sampler's) are summed with the batch's ``cu_num_logits``. With the sampler
+  sharded across ranks vLLM's gather already sums per request and is left alone.
+
+Neither adds a host synchronisation: the row layout goes to the device the way vLLM
+copies its own (``async_tensor_h2d``), and the sums are device-side gathers
+(:func:`kvguard.kernels.sum_rows_per_request`).
+
+The runners are patched when their module is imported (workers import them after
+loading plugins), or at once if it already was. Idempotent.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from types import ModuleType
+from typing import Any
+
+V1_RUNNER = "vllm.v1.worker.gpu_model_runner"
+V2_RUNNER = "vllm.v1.worker.gpu.model_runner"
+_MARK = "_kvguard_per_request_nans"
+
+# The row layout of the step V1 is booking (None outside _bookkeeping_sync, or for a
+# step without drafts). Per thread: a runner books one step at a time.
+_booking = threading.local()
+
+
+def install() -> None:
+    """Make vLLM's model runners count NaN logits per request (see the module doc)."""
+    for name, patch in _PATCHES.items():
+        module = sys.modules.get(name)
+        if module is not None:
+            patch(module)
+    if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport(_PATCHES))
+
+
+def v1_row_layout(
+    req_id_to_index: Mapping[str, int],
+    num_reqs: int,
+    scheduled_spec_decode_tokens: Mapping[str, Sequence[int]],
+    num_rows: int,
+) -> list[int] | None:
+    """``cu_rows`` of the logits V1 computes for a step: request ``i`` (input batch
+    order) owns ``1 + len(drafts)`` rows. None when ``num_rows`` does not match that
+    layout (then no row can be told apart: the caller counts the whole step)."""
+    rows = [1] * num_reqs
+    for req_id, drafts in scheduled_spec_decode_tokens.items():
+        index = req_id_to_index.get(req_id)
+        if index is None or index >= num_reqs:
+            return None
+        rows[index] += len(drafts)
+    cu_rows = [0]
+    for n in rows:
+        cu_rows.append(cu_rows[-1] + n)
+    return cu_rows if cu_rows[-1] == num_rows else None
+
+
+def _patch_v1(module: ModuleType) -> None:
+    runner = module.GPUModelRunner
+    if getattr(runner._bookkeeping_sync, _MARK, False):
+        return
+    import torch
+
+    from kvguard.kernels import sum_rows_per_request
+
+    stock_count = module.count_nans_per_row
+    stock_bookkeeping = runner._bookkeeping_sync
+    to_device = module.async_tensor_h2d
+
+    def count_nans_per_row(logits: torch.Tensor) -> torch.Tensor:
+        layout = getattr(_booking, "layout", None)
+        per_row: torch.Tensor = stock_count(logits)
+        if layout is None:
+            return per_row
+        cu_rows, num_reqs = layout
+        if cu_rows is None:  # unknown layout: every request gets the step's count
+            return per_row.sum(dtype=torch.int32).repeat(num_reqs)
+        return sum_rows_per_request(per_row, cu_rows)
+
+    def _bookkeeping_sync(
+        self: Any, scheduler_output: Any, sampler_output: Any, logits: Any, *args: Any, **kw: Any
+    ) -> Any:
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        if logits is None or not drafts:
+            return stock_bookkeeping(self, scheduler_output, sampler_output, logits, *args, **kw)
+        batch = self.input_batch
+        cu = v1_row_layout(batch.req_id_to_index, batch.num_reqs, drafts, logits.shape[0])
+        cu_rows = None if cu is None else to_device(cu, device=logits.device, dtype=torch.int64)
+        _booking.layout = (cu_rows, batch.num_reqs)
+        try:
+            return stock_bookkeeping(self, scheduler_output, sampler_output, logits, *args, **kw)
+        finally:
+            _booking.layout = None
+
+    _mark(count_nans_per_row, stock_count)
+    _mark(_bookkeeping_sync, stock_bookkeeping)
+    setattr(module, "count_nans_per_row", count_nans_per_row)  # noqa: B010 (untyped module)
+    runner._bookkeeping_sync = _bookkeeping_sync
+
+
+def _patch_v2(module: ModuleType) -> None:
+    runner = module.GPUModelRunner
+    if getattr(runner.sample, _MARK, False):
+        return
+    from kvguard.kernels import sum_rows_per_request
+
+    stock_sample = runner.sample
+
+    def sample(self: Any, hidden_states: Any, input_batch: Any, *args: Any, **kw: Any) -> Any:
+        result = stock_sample(self, hidden_states, input_batch, *args, **kw)
+        sampler_output = result[0]
+        per_row = sampler_output.num_nans
+        if (
+            per_row is not None
+            and self.batch_sharder is None  # sharded: vLLM's gather sums per request
+            and (input_batch.num_draft_tokens or per_row.shape[0] != input_batch.num_reqs)
+        ):
+            sampler_output.num_nans = sum_rows_per_request(per_row, input_batch.cu_num_logits)
+        return result
+
+    _mark(sample, stock_sample)
+    runner.sample = sample
+
+
+def _mark(patched: Any, stock: Any) -> None:
+    """Tell the patch from vLLM's function (idempotence) and keep the way back."""
+    setattr(patched, _MARK, True)
+    patched.__wrapped__ = stock
+    patched.__doc__ = stock.__doc__
+
+
+_PATCHES: dict[str, Callable[[ModuleType], None]] = {V1_RUNNER: _patch_v1, V2_RUNNER: _patch_v2}
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Patches a module right after it is first executed (a post-import hook)."""
+
+    def __init__(self, patches: Mapping[str, Callable[[ModuleType], None]]) -> None:
+        self.patches = patches
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        patch = self.patches.get(fullname)
+        if patch is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _PatchingLoader(spec.loader, patch)
+        return spec
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, loader: Any, patch: Callable[[ModuleType], None]) -> None:
+        self.loader = loader
+        self.patch = patch
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        module: ModuleType | None = self.loader.create_module(spec)
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.loader.exec_module(module)
+        self.patch(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_code, get_source, is_package, ...
+        return getattr(self.loader, name)

@@ -1,0 +1,252 @@
+"""Speculative decoding under the guard, on real vLLM 0.33 schedulers (sync: ngram
+drafts fed back as the engine does; async: ngram_gpu, drafts proposed on the worker).
+
+The guard accepts it when ``KVGUARD_GUARD=1`` (kvguard's plugin then makes vLLM's
+workers count NaNs per request: ``test_worker_nans.py``). A step of a request with
+drafts writes KV at the draft positions too; KV of rejected drafts belongs to another
+token prefix and must never be published. Random fault traces with drafts are in
+``test_fault_fuzz.py``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm")
+
+from vllm.config import SpeculativeConfig  # noqa: E402
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput  # noqa: E402
+
+from kvguard import BlockState  # noqa: E402
+from kvguard.adapters.vllm.block_pool import GuardModeUnsupported  # noqa: E402
+
+from .harness import (  # noqa: E402
+    BLOCK,
+    Arrivals,
+    finish_reasons,
+    hit_tokens,
+    make_request,
+    make_scheduler,
+    shared_prefix_arrivals,
+)
+
+TOKEN = 5  # what the model samples every time: a draft is accepted iff it is TOKEN
+SPEC_TOKENS = 3
+
+
+def _spec(async_scheduling: bool) -> SpeculativeConfig:
+    # vLLM refuses CPU ngram drafts with async scheduling; its GPU variant is accepted.
+    method = "ngram_gpu" if async_scheduling else "ngram"
+    return SpeculativeConfig(
+        method=method, num_speculative_tokens=SPEC_TOKENS, prompt_lookup_max=3, prompt_lookup_min=2
+    )
+
+
+@pytest.fixture
+def guard_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVGUARD_GUARD", "1")
+
+
+def scheduler(*, guarded: bool = True, async_scheduling: bool = False, **kw: Any) -> Any:
+    return make_scheduler(
+        guarded=guarded,
+        async_scheduling=async_scheduling,
+        speculative_config=_spec(async_scheduling),
+        **kw,
+    )
+
+
+class Drafts:
+    """The worker's side: which drafts it proposes and how many the model accepts.
+    Deterministic per seed, so a stock and a guarded scheduler see the same ones."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.accepted = self.rejected = 0
+        self.sampling: dict[int, set[str]] = {}
+        """id(scheduler output) -> the requests whose step samples (see ``schedule``)."""
+
+    def propose(self, s: Any) -> None:
+        """Sync: the engine hands the scheduler the drafts after each output."""
+        req_ids = sorted(
+            r for r, q in s.requests.items() if not q.is_finished() and not q.is_prefill_chunk
+        )
+        drafts = [self._draft() for _ in req_ids]
+        s.update_draft_token_ids(DraftTokenIds(req_ids, drafts))
+
+    def _draft(self) -> list[int]:
+        n = self.rng.randrange(SPEC_TOKENS + 1)
+        return [TOKEN if self.rng.random() < 0.6 else 7 for _ in range(n)]
+
+    def output(self, so: Any, nans: Mapping[str, int] | None = None) -> ModelRunnerOutput:
+        """The step's output: accepted drafts and a bonus token for each request whose
+        step ends its prefill or decodes (noted by ``schedule``). Async drafts are
+        placeholders (-1): the worker's own are drawn here."""
+        req_ids = list(so.num_scheduled_tokens)
+        sampling = self.sampling.pop(id(so))
+        sampled: list[list[int]] = []
+        for req_id in req_ids:
+            if req_id not in sampling:
+                sampled.append([])
+                continue
+            drafts = list(so.scheduled_spec_decode_tokens.get(req_id, ()))
+            if drafts and drafts[0] == -1:
+                drafts = self._draft()[: len(drafts)]
+            n = 0
+            while n < len(drafts) and drafts[n] == TOKEN:
+                n += 1
+            self.accepted += n
+            self.rejected += len(drafts) - n
+            sampled.append([TOKEN] * (n + 1))
+        counts = dict.fromkeys(req_ids, 0)
+        counts.update(nans or {})
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            num_nans_in_logits=counts,
+        )
+
+
+def schedule(s: Any, drafts: Drafts) -> Any:
+    """``s.schedule()``, noting which requests' steps sample a token: those that end
+    their prefill or decode (under async scheduling a request's computed tokens have
+    moved on by the time the output is built)."""
+    so = s.schedule()
+    drafts.sampling[id(so)] = {
+        r for r in so.num_scheduled_tokens if not s.requests[r].is_prefill_chunk
+    }
+    return so
+
+
+def spec_trace(
+    s: Any,
+    arrivals: Arrivals,
+    steps: int,
+    drafts: Drafts,
+    *,
+    async_scheduling: bool = False,
+    nans: Callable[[int, Any], Mapping[str, int]] | None = None,
+) -> list[object]:
+    """Like ``harness.decision_trace``, with drafts: per step the tokens and drafts
+    scheduled, the new requests' hits and the preempted; per output the finish reasons."""
+    trace: list[object] = []
+    pending = []
+    for t in range(steps):
+        if t in arrivals:
+            rid, prompt, max_tokens = arrivals[t]
+            s.add_request(make_request(rid, prompt, max_tokens))
+        so = schedule(s, drafts)
+        pending.append(so)
+        spec = {r: len(d) for r, d in so.scheduled_spec_decode_tokens.items()}
+        trace.append(
+            (dict(so.num_scheduled_tokens), spec, hit_tokens(so), sorted(so.preempted_req_ids))
+        )
+        if not async_scheduling or len(pending) == 2:
+            done = pending.pop(0)
+            counts = nans(t, done) if nans is not None else None
+            out = s.update_from_output(done, drafts.output(done, counts))
+            trace.append(finish_reasons(out))
+            if not async_scheduling:
+                drafts.propose(s)
+    return trace
+
+
+def test_guard_takes_drafts_only_when_workers_count_per_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("KVGUARD_GUARD", raising=False)
+    with pytest.raises(GuardModeUnsupported, match="KVGUARD_GUARD=1"):
+        scheduler()
+    monkeypatch.setenv("KVGUARD_GUARD", "1")
+    assert scheduler().num_spec_tokens == SPEC_TOKENS
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_clean_trace_with_drafts_schedules_as_stock_vllm(
+    async_scheduling: bool, guard_env: None
+) -> None:
+    arrivals = shared_prefix_arrivals(seed=3, requests=14, max_suffix=40, output_tokens=(8, 40))
+    traces, seen = [], []
+    for guarded in (False, True):
+        s = scheduler(guarded=guarded, async_scheduling=async_scheduling, num_blocks=48)
+        drafts = Drafts(seed=11)
+        traces.append(spec_trace(s, arrivals, 160, drafts, async_scheduling=async_scheduling))
+        seen.append((drafts.accepted, drafts.rejected))
+        assert not s.requests, "the trace did not drain"
+        if guarded:
+            s.kvguard_pool.check_consistency()
+    assert traces[0] == traces[1]
+    assert seen[0] == seen[1] and min(seen[0]) > 20  # drafts both accepted and rejected
+    hits = [h for entry in traces[1] if isinstance(entry, tuple) for h in entry[2].values()]
+    assert sum(1 for h in hits if h) >= 10  # the shared prefix was hit
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_nan_in_a_step_with_drafts_aborts_only_that_request(
+    async_scheduling: bool, guard_env: None
+) -> None:
+    s = scheduler(async_scheduling=async_scheduling)
+    prompt = list(range(300, 300 + 2 * BLOCK + 3))
+    for rid in ("a", "b"):
+        s.add_request(make_request(rid, [*prompt, ord(rid)], max_tokens=30))
+    drafts = Drafts(seed=5)
+    failed_at: list[int] = []
+
+    def nans(t: int, so: Any) -> dict[str, int]:
+        if so.scheduled_spec_decode_tokens.get("a") and not failed_at:
+            failed_at.append(t)
+            return {"a": 2}
+        return {}
+
+    trace = spec_trace(s, {}, 40, drafts, async_scheduling=async_scheduling, nans=nans)
+    assert failed_at, "a never decoded with drafts"
+    reasons = {r: v for entry in trace if isinstance(entry, dict) for r, v in entry.items()}
+    assert reasons == {"a": "error", "b": "length"}
+    assert s.kvguard_stats()["requests_aborted"] == 1
+    # a's validated prompt blocks stay hits; what its failing step filled does not.
+    s.add_request(make_request("c", [*prompt, ord("a")]))
+    so = s.schedule()
+    assert hit_tokens(so) == {"c": 2 * BLOCK}
+    s.kvguard_pool.check_consistency()
+
+
+def test_kv_of_rejected_drafts_is_not_published_until_rewritten(guard_env: None) -> None:
+    """A 14-token prompt; the first decode step writes positions 14-17: the last known
+    token and 3 drafts, all rejected, so position 15 of block 0 holds KV of a wrong
+    token. Block 0 becomes a hit only after the next step rewrote position 15 and was
+    counted clean -- and never if that step's logits are NaN."""
+    for nan in (False, True):
+        s = scheduler()
+        prompt = list(range(500, 514))
+        s.add_request(make_request("a", prompt, max_tokens=8))
+        drafts = Drafts(seed=0)
+        so = schedule(s, drafts)  # the prompt
+        s.update_from_output(so, drafts.output(so))
+        s.update_draft_token_ids(DraftTokenIds(["a"], [[7, 7, 7]]))
+        so = schedule(s, drafts)
+        assert so.num_scheduled_tokens == {"a": 4}
+        s.update_from_output(so, drafts.output(so))
+        assert drafts.rejected == 3 and s.requests["a"].num_computed_tokens == 15
+        block0 = s.kv_cache_manager.get_block_ids("a")[0][0]
+        assert s.kvguard_pool.core.block_state(block0) is BlockState.WRITTEN
+        # Admitted now, b asks for the same 16 tokens: no hit on the stale slot.
+        s.add_request(make_request("b", [*prompt, TOKEN, TOKEN, 1, 2]))
+        so = schedule(s, drafts)  # rewrites position 15 (a's bonus token) and b's prompt
+        assert hit_tokens(so) == {"b": 0}
+        out = s.update_from_output(so, drafts.output(so, {"a": 1} if nan else None))
+        state = s.kvguard_pool.core.block_state(block0)
+        if nan:
+            assert finish_reasons(out) == {"a": "error"}
+            assert state is BlockState.QUARANTINED
+        else:
+            assert state in (BlockState.VALIDATED, BlockState.PUBLISHED)
+            s.add_request(make_request("c", [*prompt, TOKEN, TOKEN, 3]))
+            so = s.schedule()
+            assert hit_tokens(so)["c"] == BLOCK
+        s.kvguard_pool.check_consistency()
