@@ -4,6 +4,7 @@ worker-side zeroing (the KVCacheConfig vLLM builds for its workers says so)."""
 from __future__ import annotations
 
 import pickle
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -13,6 +14,7 @@ pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 import vllm  # noqa: E402
+import vllm.v1.worker.gpu_model_runner as v1_runner  # noqa: E402
 from vllm.config.scheduler import SchedulerConfig  # noqa: E402
 from vllm.v1.attention.backends.utils import record_kv_cache_layout  # noqa: E402
 from vllm.v1.core.kv_cache_planning import (  # noqa: E402
@@ -41,6 +43,11 @@ def restore_vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch
         KVCacheConfig, "needs_kv_cache_zeroing", KVCacheConfig.__dict__["needs_kv_cache_zeroing"]
     )
     monkeypatch.setattr(SchedulerConfig, "get_scheduler_cls", SchedulerConfig.get_scheduler_cls)
+    # The model runners' per-request NaN counting (kvguard.adapters.vllm.worker_nans).
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    monkeypatch.setattr(v1_runner, "count_nans_per_row", v1_runner.count_nans_per_row)
+    runner = v1_runner.GPUModelRunner
+    monkeypatch.setattr(runner, "_bookkeeping_sync", runner._bookkeeping_sync)
     yield monkeypatch
 
 
@@ -94,6 +101,19 @@ def test_plugin_turns_nan_counting_on_and_refuses_it_off(
     restore_vllm.setenv("VLLM_COMPUTE_NANS_IN_LOGITS", "0")
     with pytest.raises(GuardConfigError, match="VLLM_COMPUTE_NANS_IN_LOGITS"):
         plugin.register()
+
+
+def test_plugin_makes_the_model_runners_count_nans_per_request(
+    plugin_on: pytest.MonkeyPatch,
+) -> None:
+    """In every process vLLM starts: what lets the guard take speculative decoding."""
+    assert plugin.worker_counts_per_request()
+    assert getattr(v1_runner.GPUModelRunner._bookkeeping_sync, "_kvguard_per_request_nans", False)
+    assert getattr(v1_runner.count_nans_per_row, "_kvguard_per_request_nans", False)
+    # Runner modules a worker imports later are patched as they load.
+    assert any(type(f).__name__ == "_PatchOnImport" for f in sys.meta_path)
+    plugin_on.delenv("KVGUARD_GUARD")
+    assert not plugin.worker_counts_per_request()
 
 
 def test_plugin_refuses_an_unsupported_vllm(restore_vllm: pytest.MonkeyPatch) -> None:
