@@ -3,27 +3,33 @@ the KV bytes.
 
 Each trace runs requests with shared prefixes through a small pool (so vLLM preempts),
 chunked prefill and decode, on full-attention, sliding-window, chunked-local and R-SWA
-groups, sync and async, with prefix caching on and off, and optionally behind the
-guarded offloading connector, while outputs randomly carry NaN counts, come back
-without a count, and clients abort requests (mid-step under async). The test keeps its
-own record of every KV slot: which step wrote it, for which token prefix, and what
-became of that step (clean, NaN, unchecked, or dropped because its request was
-preempted, aborted or finished before the output arrived). At every step it checks
-what DESIGN.md promises:
+groups, sync and async, with prefix caching on and off, optionally behind the
+guarded offloading connector and optionally with speculative decoding (drafts that the
+model accepts or rejects), while outputs randomly carry NaN counts, come back without a
+count, and clients abort requests (mid-step under async). The test keeps its own record
+of every KV slot: which step wrote it, for which token prefix, and what became of that
+step (clean, NaN, unchecked, or dropped because its request was preempted, aborted or
+finished before the output arrived). At every step it checks what DESIGN.md promises:
 
 * every request reads, below its computed tokens, only KV of its own token prefix
   written by steps known clean (or by its own step still in flight or unchecked);
 * a block handed out fresh that holds KV of a NaN or dropped step is in that step's
   ``new_block_ids_to_zero``, and a zeroed block is held by its new owner alone;
-* every store job copies complete KV of clean steps, and KV loaded back from the CPU
-  tier passes the read check above;
+* every store job copies complete KV of clean steps, of the token prefix its block's
+  hash names, and KV loaded back from the CPU tier passes the read check above;
+* every block published to the prefix cache holds, in every slot, KV of clean steps
+  for the token prefix its hash names, and no step writes into a published block: KV a
+  step wrote at rejected draft positions (another prefix's) is never read, published
+  or stored;
 * kvguard's invariants and the adapter's consistency checks hold after every step,
   and when the trace ends every block but vLLM's null block is back, unreferenced.
 """
 
 from __future__ import annotations
 
+import os
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,8 +38,11 @@ import pytest
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
+from vllm.config import SpeculativeConfig  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_block_hash  # noqa: E402
 from vllm.v1.kv_offload.base import LookupResult, ReqContext  # noqa: E402
-from vllm.v1.request import RequestStatus  # noqa: E402
+from vllm.v1.outputs import DraftTokenIds  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 from kvguard import BlockState  # noqa: E402
 
@@ -93,13 +102,22 @@ class KvModel:
         )
 
 
-def _prefix_ids(tokens: list[int]) -> list[int]:
-    """An id per position for the token prefix ending there (the KV's identity)."""
-    ids, h = [], 0
+def _prefix_ids(tokens: Sequence[int], h: int = 0) -> list[int]:
+    """An id per position for the token prefix ending there (the KV's identity);
+    ``h``: the id of the prefix ``tokens`` follow (0: none)."""
+    ids = []
     for t in tokens:
         h = hash((h, t))
         ids.append(h)
     return ids
+
+
+def _accepted(drafts: Sequence[int]) -> int:
+    """How many leading drafts the model accepts (it samples ``TOKEN`` every time)."""
+    n = 0
+    while n < len(drafts) and drafts[n] == TOKEN:
+        n += 1
+    return n
 
 
 class FaultTrace:
@@ -114,28 +132,49 @@ class FaultTrace:
         offload: bool = False,
         load_failure_policy: str | None = None,
         multi: bool = False,
+        spec_tokens: int = 0,
+        offload_outputs: bool = False,
     ) -> None:
         self.rng = rng = random.Random(seed)
         self.async_scheduling = async_scheduling
         # A pool small enough that vLLM preempts (a local chunk alone needs few blocks).
-        self.s = make_scheduler(
+        self.s = self.make_scheduler(
+            spec_tokens,
             groups=groups,
             async_scheduling=async_scheduling,
             num_blocks=12 if groups == ("chunked",) else 22,
             max_num_seqs=8,
             prefix_caching=prefix_caching,
             kv_transfer_config=(
-                transfer_config(
+                _offloading_config(
                     load_failure_policy=load_failure_policy or "fail",
                     multi=multi,
                     # Every other trace on a CPU tier of a few chunks, which evicts.
                     cpu_bytes=1 << (14 if seed % 2 else 20),
+                    outputs=offload_outputs,
                 )
                 if offload
                 else None
             ),
         )
         self.offload = offload
+        # Speculative decoding: the drafts the "worker" proposes come from a random
+        # stream of their own (the rest of a trace draws as it does without drafts).
+        self.spec_tokens = spec_tokens
+        self.draft_rng = random.Random(f"drafts {seed}")
+        self.drafts: dict[Writer, list[int]] = {}
+        """Writer -> the draft tokens its step verifies (the worker's, under async)."""
+        self.samples: dict[Writer, bool] = {}
+        """Writer -> whether its step samples (ends the prefill, or decodes)."""
+        self.rejected_in_flight: dict[tuple[str, int], int] = {}
+        """Request incarnation -> drafts rejected by its steps not reported yet (under
+        async scheduling the worker, which knows them, writes the next steps' tokens
+        that many positions before where the scheduler placed them)."""
+        # Which token prefix each block hash names (learnt from the requests' hashes),
+        # and the published blocks checked so far: block id -> its key then.
+        self.requests: dict[str, Request] = {}
+        self.hash_ids: dict[bytes, list[int]] = {}
+        self.published: dict[int, Any] = {}
         # Loads fail now and then (a suffix of the job's blocks is never written).
         self.load_failures = load_failure_policy is not None
         self.invalid: dict[int, list[int]] = {}
@@ -157,7 +196,10 @@ class FaultTrace:
             max_tokens = rng.randrange(4, 60)
             arrival = rng.randrange(*waves[i // 14])
             self.arrivals.setdefault(arrival, []).append((f"r{i}", prompt, max_tokens))
-            self.expected[f"r{i}"] = _prefix_ids(prompt + [TOKEN] * max_tokens)
+            # With drafts, the last steps (two in flight under async) may compute past
+            # the request's last output token.
+            extra = 2 * (spec_tokens + 1) if spec_tokens else 0
+            self.expected[f"r{i}"] = _prefix_ids(prompt + [TOKEN] * (max_tokens + extra))
         self.kv = KvModel()
         self.incarnation = dict.fromkeys(self.expected, 0)
         self.finished: set[str] = set()
@@ -170,21 +212,51 @@ class FaultTrace:
             "stored": 0,
             "loaded": 0,
             "load_failures": 0,
+            "drafts_accepted": 0,
+            "drafts_rejected": 0,
         }
+
+    @staticmethod
+    def make_scheduler(spec_tokens: int, **options: Any) -> Any:
+        """The guarded scheduler; with ``spec_tokens``, with speculative decoding
+        (n-gram drafts: vLLM's "ngram" under sync scheduling, "ngram_gpu" under async,
+        which "ngram" refuses), which the guard accepts only with ``KVGUARD_GUARD=1``
+        (its plugin then makes the workers count NaNs per request)."""
+        if not spec_tokens:
+            return make_scheduler(**options)
+        config = SpeculativeConfig(
+            method="ngram_gpu" if options["async_scheduling"] else "ngram",
+            num_speculative_tokens=spec_tokens,
+            prompt_lookup_max=3,
+            prompt_lookup_min=2,
+        )
+        saved = os.environ.get("KVGUARD_GUARD")
+        os.environ["KVGUARD_GUARD"] = "1"
+        try:
+            return make_scheduler(speculative_config=config, **options)
+        finally:
+            if saved is None:
+                del os.environ["KVGUARD_GUARD"]
+            else:
+                os.environ["KVGUARD_GUARD"] = saved
 
     def run(self) -> dict[str, int]:
         s = self.s
         pending: list[tuple[Any, dict[str, Writer]]] = []
         for t in range(400):
             for req_id, prompt, max_tokens in self.arrivals.get(t, ()):
-                s.add_request(make_request(req_id, prompt, max_tokens))
+                request = self.requests[req_id] = make_request(req_id, prompt, max_tokens)
+                s.add_request(request)
             pending.append(self.schedule(t))
             if self.async_scheduling:
                 self.abort()  # mid-step: the request's step is in flight
                 if len(pending) == 2:
                     self.settle(*pending.pop(0))
             else:
-                self.settle(*pending.pop(0))
+                so, writers = pending.pop(0)
+                self.settle(so, writers)
+                if self.spec_tokens:
+                    self.propose_drafts(so)
                 self.abort()  # between steps, after a clean or failed output
             s.kvguard_pool.check_consistency()
             if t > max(self.arrivals) and not s.requests and not pending:
@@ -239,6 +311,7 @@ class FaultTrace:
             self.retire(req_id)
         zeroed = set(so.new_block_ids_to_zero or ())
         self.check_zeroed_blocks_have_one_owner(zeroed)
+        starts = self.worker_starts(so)
         for req_id, n in so.num_scheduled_tokens.items():
             start = s.requests[req_id].num_computed_tokens - n
             old = tables_before.get(req_id, ())
@@ -252,28 +325,132 @@ class FaultTrace:
                     assert b in zeroed or not self.kv.poisoned(b), (
                         f"block {b} reused unzeroed with failed KV"
                     )
-                self.check_reads(req_id, blocks, start)
+                self.check_reads(req_id, blocks, starts[req_id])
             if start > 0 and not any(old):
                 self.seen["hit_tokens"] += start  # a prefix hit at admission or resumption
         for b in zeroed:
             self.kv.zero(b)
         if self.offload:
             self.transfer(so)
+        self.check_published()
         writers: dict[str, Writer] = {}
+        hashed = [b.block_hash is not None for b in s.kvguard_pool.blocks]
         for req_id, n in so.num_scheduled_tokens.items():
-            start = s.requests[req_id].num_computed_tokens - n
+            start = starts[req_id]
             w = writers[req_id] = (t, req_id, self.incarnation[req_id])
             self.kv.fate[w] = "pending"
-            ids = self.expected[req_id]
+            ids = self.expected[req_id][start : start + n]
+            assert len(ids) == n, f"{req_id} computes past its last token"
+            drafts = self.step_drafts(so, w)
+            if self.spec_tokens:
+                self.samples[w] = not s.requests[req_id].is_prefill_chunk
+            if drafts:
+                # The KV at each draft's position is that of the tokens before it plus
+                # the drafts so far: the expected prefix's while the drafts match what
+                # the model samples, another prefix's from the first wrong one on.
+                known = n - len(drafts)
+                ids[known:] = _prefix_ids(drafts, ids[known - 1])
+                key = (req_id, w[2])
+                rejected = len(drafts) - _accepted(drafts)
+                self.rejected_in_flight[key] = self.rejected_in_flight.get(key, 0) + rejected
             for blocks in manager.get_block_ids(req_id):
-                for p in range(start, start + n):
-                    self.kv.write(blocks[p // BLOCK], p % BLOCK, ids[p], w)
+                for p, prefix in enumerate(ids, start):
+                    b = blocks[p // BLOCK]
+                    assert b != NULL and not hashed[b], (
+                        f"{req_id}'s step writes position {p} into block {b}, "
+                        + ("the null block" if b == NULL else "published")
+                    )
+                    self.kv.write(b, p % BLOCK, prefix, w)
         return so, writers
+
+    def worker_starts(self, so: Any) -> dict[str, int]:
+        """Where the worker writes each scheduled request's tokens: from its computed
+        tokens, less (under async scheduling) the drafts that its steps the worker ran
+        but whose output the scheduler has not seen yet rejected."""
+        s, rejected = self.s, self.rejected_in_flight
+        return {
+            r: s.requests[r].num_computed_tokens - n - rejected.get((r, self.incarnation[r]), 0)
+            for r, n in so.num_scheduled_tokens.items()
+        }
+
+    def step_drafts(self, so: Any, w: Writer) -> list[int]:
+        """The draft tokens the step verifies for the request: those the scheduler sent
+        (proposed by :meth:`propose_drafts`), or under async scheduling, where the
+        scheduler sends placeholders, the worker's own."""
+        drafts = list(so.scheduled_spec_decode_tokens.get(w[1], ()))
+        if drafts and self.async_scheduling:
+            drafts = [self.draft() for _ in drafts]
+        if drafts:
+            self.drafts[w] = drafts
+        return drafts
+
+    def draft(self) -> int:
+        """A draft token: what the model samples, more often than not."""
+        rng = self.draft_rng
+        return TOKEN if rng.random() < 0.6 else rng.randrange(1000, 50_000)
+
+    def propose_drafts(self, so: Any) -> None:
+        """Sync scheduling: after the step's output, the worker's drafts (0 to
+        ``spec_tokens`` of them) for the requests it ran that decode next, which the
+        engine hands to the scheduler for their next step."""
+        s = self.s
+        req_ids, drafts = [], []
+        for req_id in so.num_scheduled_tokens:
+            request = s.requests.get(req_id)
+            if request is not None and not request.is_finished() and not request.is_prefill_chunk:
+                req_ids.append(req_id)
+                length = self.draft_rng.randint(0, self.spec_tokens)
+                drafts.append([self.draft() for _ in range(length)])
+        if req_ids:
+            s.update_draft_token_ids(DraftTokenIds(req_ids, drafts))
+
+    def check_published(self) -> None:
+        """Every block published since the last check holds, in every slot, KV of steps
+        known clean for the token prefix its key names."""
+        published = self.published
+        for block in self.s.kvguard_pool.blocks:
+            b, key = block.block_id, block.block_hash
+            if key is None or published.get(b) == key:
+                continue
+            published[b] = key
+            ids = self.hash_prefix_ids(get_block_hash(key))
+            for offset, slot in enumerate(self.kv.slots.get(b, [None] * BLOCK)):
+                assert slot is not None, f"published block {b} has an empty slot {offset}"
+                assert slot[0] == ids[offset], f"published block {b} holds another prefix's KV"
+                fate = self.kv.fate[slot[1]]
+                assert fate == "clean", f"published block {b} holds KV of a {fate} step"
+
+    def block_prefix_ids(self, req_id: str, block_id: int) -> list[int] | None:
+        """The prefix ids of the tokens a block holds for a request: those its key
+        names if it is published, else those of its place in the request's block
+        table; None if neither says (a window dropped it from the table before it
+        was published)."""
+        key = self.s.kvguard_pool.blocks[block_id].block_hash
+        if key is not None:
+            return self.hash_prefix_ids(get_block_hash(key))
+        if req_id in self.s.requests:
+            for blocks in self.manager.get_block_ids(req_id):
+                if block_id in blocks:
+                    i = blocks.index(block_id)
+                    return self.expected[req_id][i * BLOCK : (i + 1) * BLOCK]
+        return None
+
+    def hash_prefix_ids(self, block_hash: bytes) -> list[int]:
+        """The prefix ids of the block of tokens a (vLLM) block hash names."""
+        ids = self.hash_ids.get(block_hash)
+        if ids is None:
+            for req_id, request in self.requests.items():
+                expected = self.expected[req_id]
+                for i, h in enumerate(request.block_hashes):
+                    self.hash_ids.setdefault(h, expected[i * BLOCK : (i + 1) * BLOCK])
+            ids = self.hash_ids[block_hash]
+        return ids
 
     def transfer(self, so: Any) -> None:
         """The workers' copies for this step: each store job's source blocks must hold
-        complete KV of steps known clean (the offload gate); each load job writes what
-        the CPU tier holds into its GPU blocks."""
+        complete KV of steps known clean (the offload gate), of the token prefix the
+        request's block holds there; each load job writes what the CPU tier holds into
+        its GPU blocks."""
         meta = offloading_metadata(so)
         for job_id, job in meta.store_jobs.items():
             src = [int(b) for b in job.src_spec.block_ids]
@@ -281,10 +458,14 @@ class FaultTrace:
             snapshot = []
             for b, c in zip(src, dst, strict=True):
                 slots = self.kv.slots.get(b, [None] * BLOCK)
-                for slot in slots:
+                ids = self.block_prefix_ids(job.req_id, b)
+                for offset, slot in enumerate(slots):
                     assert slot is not None, f"a store job copies block {b}, not full"
                     fate = self.kv.fate[slot[1]]
                     assert fate == "clean", f"a store job copies block {b} of a {fate} step"
+                    assert ids is None or slot[0] == ids[offset], (
+                        f"a store job copies block {b} holding another prefix's KV"
+                    )
                 snapshot.append((c, list(slots)))
             self.stores[job_id] = snapshot
         for job_id, job in meta.load_jobs.items():
@@ -365,6 +546,8 @@ class FaultTrace:
         for req_id in uncounted:
             del output.num_nans_in_logits[req_id]
         live = {r: w[2] == self.incarnation[r] for r, w in writers.items()}
+        if self.spec_tokens:
+            self.sample(output, writers, live)
         reasons = finish_reasons(s.update_from_output(so, output))
         self.seen["nan"] += len(nans)
         self.seen["unchecked"] += len(uncounted)
@@ -390,6 +573,32 @@ class FaultTrace:
             if inc != self.incarnation[req_id]:
                 for w in kv.unchecked.pop((req_id, inc)):
                     kv.fate[w] = "dropped"  # left before a counted step vouched
+        self.check_published()
+
+    def sample(self, output: Any, writers: dict[str, Writer], live: dict[str, bool]) -> None:
+        """The step's rows under speculative decoding, as the worker returns them: a
+        step that samples returns the drafts it accepted and a bonus token (the model
+        samples ``TOKEN`` every time), whatever became of its request since. (Decided
+        from the step as scheduled, not as ``model_output`` decides, from the request
+        as it is now: under async scheduling that is as the next step left it, and a
+        non-final prefill chunk's row would sample a token, which would upset vLLM's
+        count of draft placeholders.) The drafts a step rejected are no longer ahead
+        of the scheduler's count of the request's computed tokens."""
+        rows = output.sampled_token_ids
+        for req_id, w in writers.items():
+            drafts = self.drafts.pop(w, [])
+            accepted = _accepted(drafts)
+            rows[output.req_id_to_index[req_id]] = (
+                [TOKEN] * (accepted + 1) if self.samples.pop(w) else []
+            )
+            if drafts:
+                key = (req_id, w[2])
+                left = self.rejected_in_flight.pop(key, 0) - (len(drafts) - accepted)
+                if left:
+                    self.rejected_in_flight[key] = left
+                if live[req_id]:
+                    self.seen["drafts_accepted"] += accepted
+                    self.seen["drafts_rejected"] += len(drafts) - accepted
 
     def abort(self) -> None:
         """Now and then a client aborts a running request."""
@@ -401,6 +610,18 @@ class FaultTrace:
             self.seen["aborted"] += 1
             self.finished.add(victim)
             self.retire(victim)
+
+
+def _offloading_config(*, outputs: bool, **options: Any) -> Any:
+    """The offloading connector's config; ``outputs``: it stores the blocks of
+    generated tokens too, not only the prompt's (vLLM's ``offload_prompt_only``)."""
+    config = transfer_config(**options)
+    if outputs:
+        extra = config.kv_connector_extra_config
+        children = extra.get("connectors")  # inside a MultiConnector
+        for child in [c["kv_connector_extra_config"] for c in children] if children else [extra]:
+            child["offload_prompt_only"] = False
+    return config
 
 
 def _run_traces(
@@ -462,3 +683,39 @@ def test_random_fault_traces_with_kv_load_failures(async_scheduling: bool, polic
     published, and everything else holds."""
     totals = _run_traces(4, ("full",), async_scheduling, offload=True, load_failure_policy=policy)
     assert totals["load_failures"] > 0 and totals["loaded"] > 0
+
+
+SPEC_SHAPES = [("full",), ("full", "sliding"), ("full", "chunked"), ("full", "rswa")]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("groups", SPEC_SHAPES, ids=["+".join(g) for g in SPEC_SHAPES])
+def test_random_fault_traces_with_speculative_decoding(
+    groups: tuple[str, ...], async_scheduling: bool
+) -> None:
+    """The same traces with speculative decoding (3 draft tokens): each decode step also
+    computes the drafts proposed for its request (sync: the worker's, handed to the
+    scheduler after the output; async: the worker's own, the scheduler scheduling
+    placeholders) and the model accepts a leading run of them. The KV a step wrote at
+    rejected positions belongs to another token prefix: it is never read as the
+    request's, published or stored, and later steps overwrite it."""
+    totals = _run_traces(3, groups, async_scheduling, spec_tokens=3)
+    assert totals["drafts_accepted"] > 0 and totals["drafts_rejected"] > 0
+    assert totals["nan"] > 0 and totals["unchecked"] > 0 and totals["preempted"] > 0
+    assert totals["aborted"] > 0 and totals["hit_tokens"] > 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("groups", [("full",), ("full", "sliding")], ids=["full", "full+sliding"])
+def test_random_fault_traces_with_speculative_decoding_and_offloading(
+    groups: tuple[str, ...], async_scheduling: bool
+) -> None:
+    """Speculative decoding behind the guarded offloading connector, which stores the
+    blocks of generated tokens too (where drafts are computed): no store job copies KV
+    of rejected drafts, and what loads back passes the read checks."""
+    totals = _run_traces(
+        3, groups, async_scheduling, spec_tokens=3, offload=True, offload_outputs=True
+    )
+    assert totals["drafts_accepted"] > 0 and totals["drafts_rejected"] > 0
+    assert totals["nan"] > 0 and totals["preempted"] > 0 and totals["aborted"] > 0
+    assert totals["stored"] > 0 and totals["loaded"] > 0 and totals["evicted"] > 0
