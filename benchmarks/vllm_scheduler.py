@@ -26,6 +26,12 @@ their size in tokens, default 256).
 guarded side runs kvguard's ``GuardedOffloadingConnector``, its offload gate); the
 "workers" finish every transfer job with the step's output.
 
+``--spec-tokens K`` gives both schedulers speculative decoding with K draft tokens (vLLM's
+ngram method; ngram_gpu under async scheduling; the guarded side with ``KVGUARD_GUARD=1``,
+which lets it take drafts): the "workers" propose K drafts for every decoding request
+and accept a number of them that depends only on the request and its length, so both
+sides see the same acceptances.
+
 ``--control`` runs stock vLLM on both sides: the ratio this method reports for two
 identical schedulers, i.e. its own bias and noise floor on the machine at hand.
 """
@@ -41,6 +47,7 @@ import statistics
 import sys
 import time
 import warnings
+import zlib
 from typing import Any
 
 os.environ.setdefault("VLLM_COMPUTE_NANS_IN_LOGITS", "1")
@@ -48,6 +55,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     import vllm
+    from vllm.config import SpeculativeConfig
+    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 
     from tests.vllm.harness import (
         BLOCK,
@@ -80,8 +89,22 @@ class Side:
                 if args.offload
                 else None
             ),
+            speculative_config=(
+                SpeculativeConfig(
+                    method="ngram_gpu" if args.async_scheduling else "ngram",
+                    num_speculative_tokens=args.spec_tokens,
+                    prompt_lookup_max=3,
+                    prompt_lookup_min=2,
+                )
+                if args.spec_tokens
+                else None
+            ),
         )
         self.offload = args.offload
+        self.spec_tokens = args.spec_tokens
+        self.drafts_accepted = self.drafts_scheduled = 0
+        self.sampling: dict[int, set[str]] = {}
+        """id(scheduler output) -> requests whose step samples (speculative runs)."""
         self.store_jobs = self.load_jobs = 0
         self.pending: list[Any] = []
         self.step_times: list[float] = []
@@ -95,18 +118,61 @@ class Side:
         elapsed = _clock() - start
         self.schedule_times.append(elapsed)
         self.pending.append(so)
+        if self.spec_tokens:  # the harness's bookkeeping: not timed
+            self.sampling[id(so)] = {
+                r for r in so.num_scheduled_tokens if not s.requests[r].is_prefill_chunk
+            }
         if len(self.pending) == self.depth:
             done = self.pending.pop(0)
             mro = self.worker_output(done)  # the "worker": not timed
             start = _clock()
             s.update_from_output(done, mro)
             elapsed += _clock() - start
+            if self.spec_tokens and self.depth == 1:
+                self.propose_drafts()  # the engine hands the drafts over: not timed
         self.step_times.append(elapsed)
+
+    def propose_drafts(self) -> None:
+        """Sync: K drafts for every decoding request (what ngram proposes is irrelevant
+        here: ``spec_output`` decides the acceptances)."""
+        s = self.scheduler
+        req_ids = [
+            r for r, q in s.requests.items() if not q.is_finished() and not q.is_prefill_chunk
+        ]
+        s.update_draft_token_ids(DraftTokenIds(req_ids, [[5] * self.spec_tokens for _ in req_ids]))
+
+    def spec_output(self, scheduler_output: Any) -> Any:
+        """A step's output under speculative decoding: for each request whose step
+        samples, some of its drafts accepted (a function of the request and its length,
+        the same on both sides) and one bonus token; no NaN."""
+        s = self.scheduler
+        sampling = self.sampling.pop(id(scheduler_output))
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        for req_id in req_ids:
+            request = s.requests.get(req_id)
+            if req_id not in sampling or request is None:
+                sampled.append([])
+                continue
+            drafts = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
+            key = f"{req_id}:{request.num_output_tokens}".encode()
+            accepted = zlib.crc32(key) % (drafts + 1)
+            self.drafts_scheduled += drafts
+            self.drafts_accepted += accepted
+            sampled.append([5] * (accepted + 1))
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            num_nans_in_logits=dict.fromkeys(req_ids, 0),
+        )
 
     def worker_output(self, scheduler_output: Any) -> Any:
         """What the workers send back for a step; with offloading, every transfer job
         of the step done (the loading requests' KV received)."""
         s = self.scheduler
+        if self.spec_tokens:
+            return self.spec_output(scheduler_output)
         if not self.offload:
             return model_output(s, scheduler_output)
         meta = offloading_metadata(scheduler_output)
@@ -176,11 +242,24 @@ def main() -> None:
         help="vLLM's CPU offloading on both sides (kvguard's gate on the guarded one)",
     )
     parser.add_argument(
+        "--spec-tokens",
+        type=int,
+        default=0,
+        metavar="K",
+        help="speculative decoding with K draft tokens on both sides (ngram)",
+    )
+    parser.add_argument(
         "--control", action="store_true", help="stock vLLM on both sides (the method's bias)"
     )
     args = parser.parse_args()
     if not 1 <= args.output_tokens[0] < args.output_tokens[1]:
         parser.error("--output-tokens needs 1 <= MIN < MAX")
+    if args.spec_tokens and args.offload:
+        parser.error("--spec-tokens and --offload are not combined")
+    if args.spec_tokens:
+        # The guarded scheduler takes drafts only where the plugin makes vLLM's workers
+        # count NaNs per request (docs/vllm.md, "Speculative decoding").
+        os.environ["KVGUARD_GUARD"] = "1"
     print(
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
         f"Python {platform.python_version()}, vllm {vllm.__version__}, "
@@ -188,6 +267,7 @@ def main() -> None:
         f"output tokens {args.output_tokens[0]}..{args.output_tokens[1] - 1}, "
         f"KV cache groups {'+'.join(args.groups)}"
         + (", CPU offloading" if args.offload else "")
+        + (f", speculative decoding ({args.spec_tokens} draft tokens)" if args.spec_tokens else "")
         + (", CONTROL RUN: stock vLLM on both sides" if args.control else "")
     )
     # The second side's name in the report ("stock#2" in a control run).
@@ -237,6 +317,12 @@ def main() -> None:
         print(
             f"offloading, per round: stock {stock.store_jobs} store / {stock.load_jobs} load "
             f"jobs, {name} {guard.store_jobs} / {guard.load_jobs}"
+        )
+    if args.spec_tokens:
+        stock, guard = stock_rounds[-1], guard_rounds[-1]
+        print(
+            f"drafts, per round: stock {stock.drafts_accepted} of {stock.drafts_scheduled} "
+            f"accepted, {name} {guard.drafts_accepted} of {guard.drafts_scheduled}"
         )
     print(f"median of per-round ratios: {median:.3f}")
     goal = "(the method's bias: ideally 1.000)" if args.control else "(goal <= 1.02)"

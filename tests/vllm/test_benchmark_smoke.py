@@ -22,6 +22,8 @@ pytest.importorskip("vllm")
         ["--output-tokens", "64", "96"],
         ["--groups", "full,sliding", "--window", "64"],
         ["--offload"],
+        ["--spec-tokens", "3"],
+        ["--spec-tokens", "2", "--async-scheduling"],
     ],
 )
 def test_scheduler_benchmark_runs_both_schedulers_on_one_trace(mode: list[str]) -> None:
@@ -37,6 +39,10 @@ def test_scheduler_benchmark_runs_both_schedulers_on_one_trace(mode: list[str]) 
     assert f"output tokens {low}..{int(high) - 1}" in out
     groups = mode[1].replace(",", "+") if "--groups" in mode else "full"
     assert f"KV cache groups {groups}" in out
+    if "--spec-tokens" in mode:
+        drafts = re.search(r"drafts, per round: stock (\d+) of (\d+) accepted", out)
+        assert drafts is not None and 0 < int(drafts.group(1)) < int(drafts.group(2))
+        assert f"speculative decoding ({mode[1]} draft tokens)" in out
     if "--offload" in mode:
         jobs = re.search(r"offloading, per round: stock (\d+) store / \d+ load jobs", out)
         assert jobs is not None and int(jobs.group(1)) > 0
