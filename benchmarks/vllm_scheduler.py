@@ -65,6 +65,7 @@ with warnings.catch_warnings():
         make_scheduler,
         model_output,
         offloading_metadata,
+        sampling_requests,
         transfer_config,
     )
 
@@ -103,8 +104,6 @@ class Side:
         self.offload = args.offload
         self.spec_tokens = args.spec_tokens
         self.drafts_accepted = self.drafts_scheduled = 0
-        self.sampling: dict[int, set[str]] = {}
-        """id(scheduler output) -> requests whose step samples (speculative runs)."""
         self.store_jobs = self.load_jobs = 0
         self.pending: list[Any] = []
         self.step_times: list[float] = []
@@ -118,10 +117,6 @@ class Side:
         elapsed = _clock() - start
         self.schedule_times.append(elapsed)
         self.pending.append(so)
-        if self.spec_tokens:  # the harness's bookkeeping: not timed
-            self.sampling[id(so)] = {
-                r for r in so.num_scheduled_tokens if not s.requests[r].is_prefill_chunk
-            }
         if len(self.pending) == self.depth:
             done = self.pending.pop(0)
             mro = self.worker_output(done)  # the "worker": not timed
@@ -146,7 +141,7 @@ class Side:
         samples, some of its drafts accepted (a function of the request and its length,
         the same on both sides) and one bonus token; no NaN."""
         s = self.scheduler
-        sampling = self.sampling.pop(id(scheduler_output))
+        sampling = sampling_requests(s, scheduler_output)
         req_ids = list(scheduler_output.num_scheduled_tokens)
         sampled: list[list[int]] = []
         for req_id in req_ids:

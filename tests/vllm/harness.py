@@ -169,11 +169,8 @@ def model_output(
     """What a worker would return: one sampled token for each request whose step ends
     its prefill or decodes, none for intermediate prefill chunks; NaN counts per request."""
     req_ids = list(scheduler_output.num_scheduled_tokens)
-    sampled: list[list[int]] = []
-    for req_id in req_ids:
-        request = scheduler.requests.get(req_id)
-        done = request is not None and not request.is_prefill_chunk
-        sampled.append([token] if done else [])
+    samples = sampling_requests(scheduler, scheduler_output)
+    sampled = [[token] if req_id in samples else [] for req_id in req_ids]
     counts = {req_id: 0 for req_id in req_ids}
     counts.update(nans or {})
     return ModelRunnerOutput(
@@ -182,6 +179,31 @@ def model_output(
         sampled_token_ids=sampled,
         num_nans_in_logits=counts,
     )
+
+
+def sampling_requests(scheduler: Any, scheduler_output: Any) -> set[str]:
+    """The requests whose step samples a token: it decodes, or its scheduled tokens
+    reach the tokens known when it was scheduled (the end of the prompt, or of the
+    prompt and outputs a resumed request recomputes). Read from the scheduler output,
+    not from the request now: under async scheduling the next step has moved the
+    request's computed tokens on by the time the output is built."""
+    scheduled = scheduler_output.num_scheduled_tokens
+    out = set()
+    for new in scheduler_output.scheduled_new_reqs:
+        tokens = (
+            new.prefill_token_ids if new.prefill_token_ids is not None else new.prompt_token_ids
+        )
+        if new.num_computed_tokens + scheduled[new.req_id] >= len(tokens or ()):
+            out.add(new.req_id)
+    cached = scheduler_output.scheduled_cached_reqs
+    for i, req_id in enumerate(cached.req_ids):
+        request = scheduler.requests.get(req_id)
+        if request is None:
+            continue  # gone: vLLM skips its row
+        known = request.num_prompt_tokens + cached.num_output_tokens[i]
+        if cached.num_computed_tokens[i] + scheduled[req_id] >= known:
+            out.add(req_id)
+    return out
 
 
 def step(scheduler: Any, nans: Mapping[str, int] | None = None) -> tuple[Any, dict[int, Any]]:

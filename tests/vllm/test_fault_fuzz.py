@@ -578,12 +578,9 @@ class FaultTrace:
     def sample(self, output: Any, writers: dict[str, Writer], live: dict[str, bool]) -> None:
         """The step's rows under speculative decoding, as the worker returns them: a
         step that samples returns the drafts it accepted and a bonus token (the model
-        samples ``TOKEN`` every time), whatever became of its request since. (Decided
-        from the step as scheduled, not as ``model_output`` decides, from the request
-        as it is now: under async scheduling that is as the next step left it, and a
-        non-final prefill chunk's row would sample a token, which would upset vLLM's
-        count of draft placeholders.) The drafts a step rejected are no longer ahead
-        of the scheduler's count of the request's computed tokens."""
+        samples ``TOKEN`` every time), whatever became of its request since (whether
+        the step samples was noted when it was scheduled). The drafts a step rejected
+        are no longer ahead of the scheduler's count of the request's computed tokens."""
         rows = output.sampled_token_ids
         for req_id, w in writers.items():
             drafts = self.drafts.pop(w, [])
@@ -641,7 +638,7 @@ def _run_traces(
 def test_random_fault_traces_keep_every_promise(
     groups: tuple[str, ...], async_scheduling: bool, prefix_caching: bool
 ) -> None:
-    totals = _run_traces(3, groups, async_scheduling, prefix_caching=prefix_caching)
+    totals = _run_traces(4, groups, async_scheduling, prefix_caching=prefix_caching)
     # The traces exercised what they are for.
     assert totals["nan"] > 0 and totals["unchecked"] > 0 and totals["preempted"] > 0
     assert totals["aborted"] > 0

@@ -32,6 +32,7 @@ from .harness import (  # noqa: E402
     hit_tokens,
     make_request,
     make_scheduler,
+    sampling_requests,
     shared_prefix_arrivals,
 )
 
@@ -68,8 +69,6 @@ class Drafts:
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
         self.accepted = self.rejected = 0
-        self.sampling: dict[int, set[str]] = {}
-        """id(scheduler output) -> the requests whose step samples (see ``schedule``)."""
 
     def propose(self, s: Any) -> None:
         """Sync: the engine hands the scheduler the drafts after each output."""
@@ -83,12 +82,12 @@ class Drafts:
         n = self.rng.randrange(SPEC_TOKENS + 1)
         return [TOKEN if self.rng.random() < 0.6 else 7 for _ in range(n)]
 
-    def output(self, so: Any, nans: Mapping[str, int] | None = None) -> ModelRunnerOutput:
+    def output(self, s: Any, so: Any, nans: Mapping[str, int] | None = None) -> ModelRunnerOutput:
         """The step's output: accepted drafts and a bonus token for each request whose
-        step ends its prefill or decodes (noted by ``schedule``). Async drafts are
-        placeholders (-1): the worker's own are drawn here."""
+        step ends its prefill or decodes. Async drafts are placeholders (-1): the
+        worker's own are drawn here."""
         req_ids = list(so.num_scheduled_tokens)
-        sampling = self.sampling.pop(id(so))
+        sampling = sampling_requests(s, so)
         sampled: list[list[int]] = []
         for req_id in req_ids:
             if req_id not in sampling:
@@ -113,17 +112,6 @@ class Drafts:
         )
 
 
-def schedule(s: Any, drafts: Drafts) -> Any:
-    """``s.schedule()``, noting which requests' steps sample a token: those that end
-    their prefill or decode (under async scheduling a request's computed tokens have
-    moved on by the time the output is built)."""
-    so = s.schedule()
-    drafts.sampling[id(so)] = {
-        r for r in so.num_scheduled_tokens if not s.requests[r].is_prefill_chunk
-    }
-    return so
-
-
 def spec_trace(
     s: Any,
     arrivals: Arrivals,
@@ -141,7 +129,7 @@ def spec_trace(
         if t in arrivals:
             rid, prompt, max_tokens = arrivals[t]
             s.add_request(make_request(rid, prompt, max_tokens))
-        so = schedule(s, drafts)
+        so = s.schedule()
         pending.append(so)
         spec = {r: len(d) for r, d in so.scheduled_spec_decode_tokens.items()}
         trace.append(
@@ -150,7 +138,7 @@ def spec_trace(
         if not async_scheduling or len(pending) == 2:
             done = pending.pop(0)
             counts = nans(t, done) if nans is not None else None
-            out = s.update_from_output(done, drafts.output(done, counts))
+            out = s.update_from_output(done, drafts.output(s, done, counts))
             trace.append(finish_reasons(out))
             if not async_scheduling:
                 drafts.propose(s)
@@ -226,20 +214,20 @@ def test_kv_of_rejected_drafts_is_not_published_until_rewritten(guard_env: None)
         prompt = list(range(500, 514))
         s.add_request(make_request("a", prompt, max_tokens=8))
         drafts = Drafts(seed=0)
-        so = schedule(s, drafts)  # the prompt
-        s.update_from_output(so, drafts.output(so))
+        so = s.schedule()  # the prompt
+        s.update_from_output(so, drafts.output(s, so))
         s.update_draft_token_ids(DraftTokenIds(["a"], [[7, 7, 7]]))
-        so = schedule(s, drafts)
+        so = s.schedule()
         assert so.num_scheduled_tokens == {"a": 4}
-        s.update_from_output(so, drafts.output(so))
+        s.update_from_output(so, drafts.output(s, so))
         assert drafts.rejected == 3 and s.requests["a"].num_computed_tokens == 15
         block0 = s.kv_cache_manager.get_block_ids("a")[0][0]
         assert s.kvguard_pool.core.block_state(block0) is BlockState.WRITTEN
         # Admitted now, b asks for the same 16 tokens: no hit on the stale slot.
         s.add_request(make_request("b", [*prompt, TOKEN, TOKEN, 1, 2]))
-        so = schedule(s, drafts)  # rewrites position 15 (a's bonus token) and b's prompt
+        so = s.schedule()  # rewrites position 15 (a's bonus token) and b's prompt
         assert hit_tokens(so) == {"b": 0}
-        out = s.update_from_output(so, drafts.output(so, {"a": 1} if nan else None))
+        out = s.update_from_output(so, drafts.output(s, so, {"a": 1} if nan else None))
         state = s.kvguard_pool.core.block_state(block0)
         if nan:
             assert finish_reasons(out) == {"a": "error"}
