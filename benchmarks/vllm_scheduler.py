@@ -253,8 +253,11 @@ def main() -> None:
         parser.error("--spec-tokens and --offload are not combined")
     if args.spec_tokens:
         # The guarded scheduler takes drafts only where the plugin makes vLLM's workers
-        # count NaNs per request (docs/vllm.md, "Speculative decoding").
+        # count NaNs per request (docs/vllm.md, "Speculative decoding"): what it does.
+        from kvguard.adapters.vllm import worker_nans
+
         os.environ["KVGUARD_GUARD"] = "1"
+        worker_nans.install()
     print(
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
         f"Python {platform.python_version()}, vllm {vllm.__version__}, "

@@ -19,3 +19,27 @@ def _nan_counting_on(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     # The guard refuses to start without vLLM's per-request NaN counts.
     monkeypatch.setenv("VLLM_COMPUTE_NANS_IN_LOGITS", "1")
     yield
+
+
+@pytest.fixture
+def per_request_nans(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """What kvguard's plugin does with ``KVGUARD_GUARD=1`` for speculative decoding:
+    vLLM's model runners count NaNs per request (``worker_nans.install``), which lets
+    the guarded scheduler take drafts. Undone after the test."""
+    import sys
+
+    from kvguard.adapters.vllm import worker_nans
+
+    monkeypatch.setenv("KVGUARD_GUARD", "1")
+    monkeypatch.setattr(worker_nans, "_installed", False)
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    v1 = sys.modules.get(worker_nans.V1_RUNNER)
+    if v1 is not None:
+        monkeypatch.setattr(v1, "count_nans_per_row", v1.count_nans_per_row)
+        runner = v1.GPUModelRunner
+        monkeypatch.setattr(runner, "_bookkeeping_sync", runner._bookkeeping_sync)
+    v2 = sys.modules.get(worker_nans.V2_RUNNER)
+    if v2 is not None:
+        monkeypatch.setattr(v2.GPUModelRunner, "sample", v2.GPUModelRunner.sample)
+    worker_nans.install()
+    yield

@@ -27,7 +27,6 @@ finished before the output arrived). At every step it checks what DESIGN.md prom
 
 from __future__ import annotations
 
-import os
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -220,8 +219,8 @@ class FaultTrace:
     def make_scheduler(spec_tokens: int, **options: Any) -> Any:
         """The guarded scheduler; with ``spec_tokens``, with speculative decoding
         (n-gram drafts: vLLM's "ngram" under sync scheduling, "ngram_gpu" under async,
-        which "ngram" refuses), which the guard accepts only with ``KVGUARD_GUARD=1``
-        (its plugin then makes the workers count NaNs per request)."""
+        which "ngram" refuses), which the guard takes only where the workers count NaNs
+        per request (the test's ``per_request_nans`` fixture)."""
         if not spec_tokens:
             return make_scheduler(**options)
         config = SpeculativeConfig(
@@ -230,15 +229,7 @@ class FaultTrace:
             prompt_lookup_max=3,
             prompt_lookup_min=2,
         )
-        saved = os.environ.get("KVGUARD_GUARD")
-        os.environ["KVGUARD_GUARD"] = "1"
-        try:
-            return make_scheduler(speculative_config=config, **options)
-        finally:
-            if saved is None:
-                del os.environ["KVGUARD_GUARD"]
-            else:
-                os.environ["KVGUARD_GUARD"] = saved
+        return make_scheduler(speculative_config=config, **options)
 
     def run(self) -> dict[str, int]:
         s = self.s
@@ -688,7 +679,7 @@ SPEC_SHAPES = [("full",), ("full", "sliding"), ("full", "chunked"), ("full", "rs
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("groups", SPEC_SHAPES, ids=["+".join(g) for g in SPEC_SHAPES])
 def test_random_fault_traces_with_speculative_decoding(
-    groups: tuple[str, ...], async_scheduling: bool
+    groups: tuple[str, ...], async_scheduling: bool, per_request_nans: None
 ) -> None:
     """The same traces with speculative decoding (3 draft tokens): each decode step also
     computes the drafts proposed for its request (sync: the worker's, handed to the
@@ -705,7 +696,7 @@ def test_random_fault_traces_with_speculative_decoding(
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("groups", [("full",), ("full", "sliding")], ids=["full", "full+sliding"])
 def test_random_fault_traces_with_speculative_decoding_and_offloading(
-    groups: tuple[str, ...], async_scheduling: bool
+    groups: tuple[str, ...], async_scheduling: bool, per_request_nans: None
 ) -> None:
     """Speculative decoding behind the guarded offloading connector, which stores the
     blocks of generated tokens too (where drafts are computed): no store job copies KV

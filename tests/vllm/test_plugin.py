@@ -25,7 +25,7 @@ from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config  # no
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig  # noqa: E402
 
-from kvguard.adapters.vllm import plugin  # noqa: E402
+from kvguard.adapters.vllm import plugin, worker_nans  # noqa: E402
 from kvguard.adapters.vllm._compat import UnsupportedVllmError  # noqa: E402
 from kvguard.adapters.vllm.config import GuardConfigError  # noqa: E402
 from kvguard.adapters.vllm.scheduler import (  # noqa: E402
@@ -44,6 +44,7 @@ def restore_vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch
     )
     monkeypatch.setattr(SchedulerConfig, "get_scheduler_cls", SchedulerConfig.get_scheduler_cls)
     # The model runners' per-request NaN counting (kvguard.adapters.vllm.worker_nans).
+    monkeypatch.setattr(worker_nans, "_installed", False)
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
     monkeypatch.setattr(v1_runner, "count_nans_per_row", v1_runner.count_nans_per_row)
     runner = v1_runner.GPUModelRunner

@@ -133,9 +133,10 @@ def test_guard_refuses_to_start_without_nan_counts(monkeypatch: pytest.MonkeyPat
     make_scheduler(kvguard={"enabled": False})
 
 
-def test_guard_refuses_speculative_decoding() -> None:
+def test_guard_refuses_speculative_decoding_without_per_request_counts() -> None:
     # vLLM 0.33 maps per-row NaN counts to requests by row index: with draft tokens they
-    # would validate the wrong requests' steps. (The check is in the mixin both guarded
+    # would validate the wrong requests' steps, unless kvguard's plugin made the workers
+    # count per request (test_speculative.py). (The check is in the mixin both guarded
     # schedulers share; vLLM itself refuses ngram drafts with async scheduling on CPU.)
     def speculative() -> SpeculativeConfig:
         return SpeculativeConfig(method="ngram", num_speculative_tokens=2, prompt_lookup_max=3)

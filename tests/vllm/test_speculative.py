@@ -1,8 +1,9 @@
 """Speculative decoding under the guard, on real vLLM 0.33 schedulers (sync: ngram
 drafts fed back as the engine does; async: ngram_gpu, drafts proposed on the worker).
 
-The guard accepts it when ``KVGUARD_GUARD=1`` (kvguard's plugin then makes vLLM's
-workers count NaNs per request: ``test_worker_nans.py``). A step of a request with
+The guard accepts it when kvguard's plugin ran with ``KVGUARD_GUARD=1``: it makes vLLM's
+workers count NaNs per request (``test_worker_nans.py``; here the ``per_request_nans``
+fixture does what the plugin does). A step of a request with
 drafts writes KV at the draft positions too; KV of rejected drafts belongs to another
 token prefix and must never be published. Random fault traces with drafts are in
 ``test_fault_fuzz.py``.
@@ -46,11 +47,6 @@ def _spec(async_scheduling: bool) -> SpeculativeConfig:
     return SpeculativeConfig(
         method=method, num_speculative_tokens=SPEC_TOKENS, prompt_lookup_max=3, prompt_lookup_min=2
     )
-
-
-@pytest.fixture
-def guard_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVGUARD_GUARD", "1")
 
 
 def scheduler(*, guarded: bool = True, async_scheduling: bool = False, **kw: Any) -> Any:
@@ -148,16 +144,25 @@ def spec_trace(
 def test_guard_takes_drafts_only_when_workers_count_per_request(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from kvguard.adapters.vllm import worker_nans
+
+    monkeypatch.setattr(worker_nans, "_installed", False)
     monkeypatch.delenv("KVGUARD_GUARD", raising=False)
     with pytest.raises(GuardModeUnsupported, match="KVGUARD_GUARD=1"):
         scheduler()
+    # KVGUARD_GUARD=1 without the plugin having run (VLLM_PLUGINS leaving it out).
     monkeypatch.setenv("KVGUARD_GUARD", "1")
+    with pytest.raises(GuardModeUnsupported, match="VLLM_PLUGINS"):
+        scheduler()
+
+
+def test_with_the_plugins_counting_the_guard_takes_drafts(per_request_nans: None) -> None:
     assert scheduler().num_spec_tokens == SPEC_TOKENS
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_a_clean_trace_with_drafts_schedules_as_stock_vllm(
-    async_scheduling: bool, guard_env: None
+    async_scheduling: bool, per_request_nans: None
 ) -> None:
     arrivals = shared_prefix_arrivals(seed=3, requests=14, max_suffix=40, output_tokens=(8, 40))
     traces, seen = [], []
@@ -177,7 +182,7 @@ def test_a_clean_trace_with_drafts_schedules_as_stock_vllm(
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_nan_in_a_step_with_drafts_aborts_only_that_request(
-    async_scheduling: bool, guard_env: None
+    async_scheduling: bool, per_request_nans: None
 ) -> None:
     s = scheduler(async_scheduling=async_scheduling)
     prompt = list(range(300, 300 + 2 * BLOCK + 3))
@@ -204,7 +209,7 @@ def test_nan_in_a_step_with_drafts_aborts_only_that_request(
     s.kvguard_pool.check_consistency()
 
 
-def test_kv_of_rejected_drafts_is_not_published_until_rewritten(guard_env: None) -> None:
+def test_kv_of_rejected_drafts_is_not_published_until_rewritten(per_request_nans: None) -> None:
     """A 14-token prompt; the first decode step writes positions 14-17: the last known
     token and 3 drafts, all rejected, so position 15 of block 0 holds KV of a wrong
     token. Block 0 becomes a hit only after the next step rewrote position 15 and was

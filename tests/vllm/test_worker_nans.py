@@ -41,12 +41,8 @@ VOCAB = 11
 
 
 @pytest.fixture
-def patched(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The plugin's worker patch, undone after the test."""
-    monkeypatch.setattr(v1, "count_nans_per_row", v1.count_nans_per_row)
-    monkeypatch.setattr(v1.GPUModelRunner, "_bookkeeping_sync", v1.GPUModelRunner._bookkeeping_sync)
-    monkeypatch.setenv("KVGUARD_GUARD", "1")  # the guarded scheduler takes drafts only then
-    worker_nans.install()
+def patched(per_request_nans: None) -> Iterator[None]:
+    """The plugin's worker patch (the ``per_request_nans`` fixture), applied twice."""
     worker_nans.install()  # idempotent
     assert getattr(v1.GPUModelRunner._bookkeeping_sync, "_kvguard_per_request_nans", False)
     yield

@@ -65,9 +65,14 @@ def register() -> None:
 
 
 def worker_counts_per_request(environ: Any = os.environ) -> bool:
-    """Whether vLLM's workers count NaN logits per request: the plugin, which vLLM
-    runs in every process it starts, makes them so when ``KVGUARD_GUARD=1``."""
-    return requested(environ)
+    """Whether vLLM's workers count NaN logits per request: the plugin ran in this
+    process with ``KVGUARD_GUARD=1``. vLLM loads its plugins in the engine core before
+    it builds the scheduler and in every worker before its model runner, under the same
+    settings, so the workers were patched too -- unless the plugin did not run here
+    either (``VLLM_PLUGINS`` leaving ``kvguard`` out, or a scheduler built by hand)."""
+    from kvguard.adapters.vllm import worker_nans
+
+    return requested(environ) and worker_nans.installed()
 
 
 def _patch_zeroing() -> None:

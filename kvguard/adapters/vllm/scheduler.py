@@ -95,7 +95,8 @@ class _GuardMixin:
                 "workers count NaN logits per request, not per logits row (what vLLM "
                 f"{vllm.__version__} does: with draft tokens its counts belong to other "
                 f"requests). Set {GUARD_ENV}=1 in the environment of the engine and its "
-                "workers: kvguard's vLLM plugin then makes every worker count per request. "
+                "workers, and keep kvguard among the plugins vLLM loads (VLLM_PLUGINS, if "
+                "set): kvguard's vLLM plugin then makes every worker count per request. "
                 "Or turn speculative decoding off, or run the scheduler in pass-through "
                 f"mode ({GUARD_ENV}=0)."
             )

@@ -46,6 +46,8 @@ V1_RUNNER = "vllm.v1.worker.gpu_model_runner"
 V2_RUNNER = "vllm.v1.worker.gpu.model_runner"
 _MARK = "_kvguard_per_request_nans"
 
+_installed = False
+
 # The row layout of the step V1 is booking (None outside _bookkeeping_sync, or for a
 # step without drafts). Per thread: a runner books one step at a time.
 _booking = threading.local()
@@ -59,6 +61,13 @@ def install() -> None:
             patch(module)
     if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _PatchOnImport(_PATCHES))
+    global _installed
+    _installed = True
+
+
+def installed() -> bool:
+    """Whether :func:`install` ran in this process."""
+    return _installed
 
 
 def v1_row_layout(
