@@ -56,7 +56,7 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     import vllm
     from vllm.config import SpeculativeConfig
-    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+    from vllm.v1.outputs import DraftTokenIds
 
     from tests.vllm.harness import (
         BLOCK,
@@ -65,7 +65,6 @@ with warnings.catch_warnings():
         make_scheduler,
         model_output,
         offloading_metadata,
-        sampling_requests,
         transfer_config,
     )
 
@@ -141,26 +140,19 @@ class Side:
         samples, some of its drafts accepted (a function of the request and its length,
         the same on both sides) and one bonus token; no NaN."""
         s = self.scheduler
-        sampling = sampling_requests(s, scheduler_output)
-        req_ids = list(scheduler_output.num_scheduled_tokens)
-        sampled: list[list[int]] = []
-        for req_id in req_ids:
+        out = model_output(s, scheduler_output)
+        rows = out.sampled_token_ids
+        for i, req_id in enumerate(out.req_ids):
             request = s.requests.get(req_id)
-            if req_id not in sampling or request is None:
-                sampled.append([])
+            if not rows[i] or request is None:
                 continue
             drafts = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
             key = f"{req_id}:{request.num_output_tokens}".encode()
             accepted = zlib.crc32(key) % (drafts + 1)
             self.drafts_scheduled += drafts
             self.drafts_accepted += accepted
-            sampled.append([5] * (accepted + 1))
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            num_nans_in_logits=dict.fromkeys(req_ids, 0),
-        )
+            rows[i] = [5] * (accepted + 1)
+        return out
 
     def worker_output(self, scheduler_output: Any) -> Any:
         """What the workers send back for a step; with offloading, every transfer job

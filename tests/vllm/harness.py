@@ -255,12 +255,16 @@ def decision_trace(
     *,
     async_scheduling: bool = False,
     nans: Callable[[int, Any], Mapping[str, int]] | None = None,
+    worker: Callable[[Any, Any, Mapping[str, int] | None], Any] = model_output,
+    after_output: Callable[[Any], None] | None = None,
 ) -> list[object]:
     """Drive ``scheduler`` through ``steps`` steps (one output in flight under async
-    scheduling) and record its decisions: per step, the tokens scheduled, the prefix
-    hits of new requests and the preempted requests; per output, the finish reasons.
-    ``nans(step, scheduler_output)`` gives the NaN counts of the output processed at
-    ``step``."""
+    scheduling) and record its decisions: per step, the tokens scheduled (and the draft
+    tokens, if any), the prefix hits of new requests and the preempted requests; per
+    output, the finish reasons. ``nans(step, scheduler_output)`` gives the NaN counts of
+    the output processed at ``step``; ``worker(scheduler, scheduler_output, nans)``
+    builds the output (default :func:`model_output`); ``after_output(scheduler)`` runs
+    after each (e.g. the engine handing over the next drafts)."""
     trace: list[object] = []
     pending = []
     for t in range(steps):
@@ -269,12 +273,16 @@ def decision_trace(
             scheduler.add_request(make_request(rid, prompt, max_tokens))
         so = scheduler.schedule()
         pending.append(so)
-        trace.append((dict(so.num_scheduled_tokens), hit_tokens(so), sorted(so.preempted_req_ids)))
+        drafts = {r: len(d) for r, d in so.scheduled_spec_decode_tokens.items()}
+        hits, preempted = hit_tokens(so), sorted(so.preempted_req_ids)
+        trace.append((dict(so.num_scheduled_tokens), drafts, hits, preempted))
         if not async_scheduling or len(pending) == 2:
             done = pending.pop(0)
             counts = nans(t, done) if nans is not None else None
-            out = scheduler.update_from_output(done, model_output(scheduler, done, counts))
+            out = scheduler.update_from_output(done, worker(scheduler, done, counts))
             trace.append(finish_reasons(out))
+            if after_output is not None:
+                after_output(scheduler)
     return trace
 
 

@@ -108,4 +108,4 @@ def test_pass_through_decides_as_stock_vllm_with_nans(async_scheduling: bool) ->
     stock, pass_through, guarded = runs
     assert pass_through == stock
     assert guarded != stock  # the NaN counts mattered: the guard aborted r2
-    assert any(p for entry in stock if isinstance(entry, tuple) for p in entry[2])
+    assert any(p for entry in stock if isinstance(entry, tuple) for p in entry[3])

@@ -135,4 +135,4 @@ def test_clean_trace_same_decisions_as_stock_vllm(async_scheduling: bool) -> Non
         trace = decision_trace(s, arrivals, 80, async_scheduling=async_scheduling)
         runs.append(trace)
     assert runs[0] == runs[1]
-    assert any(h for entry in runs[0] if isinstance(entry, tuple) for h in entry[1].values())
+    assert any(h for entry in runs[0] if isinstance(entry, tuple) for h in entry[2].values())

@@ -29,11 +29,12 @@ from kvguard.adapters.vllm.block_pool import GuardModeUnsupported  # noqa: E402
 from .harness import (  # noqa: E402
     BLOCK,
     Arrivals,
+    decision_trace,
     finish_reasons,
     hit_tokens,
     make_request,
     make_scheduler,
-    sampling_requests,
+    model_output,
     shared_prefix_arrivals,
 )
 
@@ -82,13 +83,11 @@ class Drafts:
         """The step's output: accepted drafts and a bonus token for each request whose
         step ends its prefill or decodes. Async drafts are placeholders (-1): the
         worker's own are drawn here."""
-        req_ids = list(so.num_scheduled_tokens)
-        sampling = sampling_requests(s, so)
-        sampled: list[list[int]] = []
-        for req_id in req_ids:
-            if req_id not in sampling:
-                sampled.append([])
-                continue
+        out = model_output(s, so, nans, token=TOKEN)
+        rows = out.sampled_token_ids
+        for i, req_id in enumerate(out.req_ids):
+            if not rows[i]:
+                continue  # an intermediate prefill chunk samples nothing
             drafts = list(so.scheduled_spec_decode_tokens.get(req_id, ()))
             if drafts and drafts[0] == -1:
                 drafts = self._draft()[: len(drafts)]
@@ -97,15 +96,8 @@ class Drafts:
                 n += 1
             self.accepted += n
             self.rejected += len(drafts) - n
-            sampled.append([TOKEN] * (n + 1))
-        counts = dict.fromkeys(req_ids, 0)
-        counts.update(nans or {})
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            num_nans_in_logits=counts,
-        )
+            rows[i] = [TOKEN] * (n + 1)
+        return out
 
 
 def spec_trace(
@@ -117,28 +109,17 @@ def spec_trace(
     async_scheduling: bool = False,
     nans: Callable[[int, Any], Mapping[str, int]] | None = None,
 ) -> list[object]:
-    """Like ``harness.decision_trace``, with drafts: per step the tokens and drafts
-    scheduled, the new requests' hits and the preempted; per output the finish reasons."""
-    trace: list[object] = []
-    pending = []
-    for t in range(steps):
-        if t in arrivals:
-            rid, prompt, max_tokens = arrivals[t]
-            s.add_request(make_request(rid, prompt, max_tokens))
-        so = s.schedule()
-        pending.append(so)
-        spec = {r: len(d) for r, d in so.scheduled_spec_decode_tokens.items()}
-        trace.append(
-            (dict(so.num_scheduled_tokens), spec, hit_tokens(so), sorted(so.preempted_req_ids))
-        )
-        if not async_scheduling or len(pending) == 2:
-            done = pending.pop(0)
-            counts = nans(t, done) if nans is not None else None
-            out = s.update_from_output(done, drafts.output(s, done, counts))
-            trace.append(finish_reasons(out))
-            if not async_scheduling:
-                drafts.propose(s)
-    return trace
+    """``harness.decision_trace`` with drafts: the worker's outputs accept some, and
+    (sync) the engine hands the scheduler new ones after each output."""
+    return decision_trace(
+        s,
+        arrivals,
+        steps,
+        async_scheduling=async_scheduling,
+        nans=nans,
+        worker=drafts.output,
+        after_output=None if async_scheduling else drafts.propose,
+    )
 
 
 def test_guard_takes_drafts_only_when_workers_count_per_request(

@@ -227,7 +227,7 @@ def test_clean_trace_same_decisions_as_stock_vllm(
             s.kvguard_pool.check_consistency()
         runs.append(trace)
     assert runs[0] == runs[1]
-    assert any(h for entry in runs[0] if isinstance(entry, tuple) for h in entry[1].values())
+    assert any(h for entry in runs[0] if isinstance(entry, tuple) for h in entry[2].values())
 
 
 def test_guard_refuses_a_circular_buffer_group() -> None:
