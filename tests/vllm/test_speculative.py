@@ -3,10 +3,9 @@ drafts fed back as the engine does; async: ngram_gpu, drafts proposed on the wor
 
 The guard accepts it when kvguard's plugin ran with ``KVGUARD_GUARD=1``: it makes vLLM's
 workers count NaNs per request (``test_worker_nans.py``; here the ``per_request_nans``
-fixture does what the plugin does). A step of a request with
-drafts writes KV at the draft positions too; KV of rejected drafts belongs to another
-token prefix and must never be published. Random fault traces with drafts are in
-``test_fault_fuzz.py``.
+fixture does what the plugin does). A step of a request with drafts writes KV at the
+draft positions too; KV of rejected drafts belongs to another token prefix and must
+never be published. Random fault traces with drafts are in ``test_fault_fuzz.py``.
 """
 
 from __future__ import annotations
