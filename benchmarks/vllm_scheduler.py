@@ -55,7 +55,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     import vllm
-    from vllm.config import SpeculativeConfig
     from vllm.v1.outputs import DraftTokenIds
 
     from tests.vllm.harness import (
@@ -64,6 +63,7 @@ with warnings.catch_warnings():
         make_request,
         make_scheduler,
         model_output,
+        ngram_speculation,
         offloading_metadata,
         transfer_config,
     )
@@ -90,12 +90,7 @@ class Side:
                 else None
             ),
             speculative_config=(
-                SpeculativeConfig(
-                    method="ngram_gpu" if args.async_scheduling else "ngram",
-                    num_speculative_tokens=args.spec_tokens,
-                    prompt_lookup_max=3,
-                    prompt_lookup_min=2,
-                )
+                ngram_speculation(args.spec_tokens, async_scheduling=args.async_scheduling)
                 if args.spec_tokens
                 else None
             ),

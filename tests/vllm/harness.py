@@ -13,7 +13,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import torch
-from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import (
+    CacheConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    VllmConfig,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
     MultiConnector,
     MultiKVConnectorMetadata,
@@ -153,6 +160,18 @@ def _kv_cache_spec(kind: str, window: int) -> Any:
     raise ValueError(f"unknown KV cache group kind {kind!r}")
 
 
+def ngram_speculation(num_tokens: int, *, async_scheduling: bool) -> SpeculativeConfig:
+    """Speculative decoding with ``num_tokens`` n-gram drafts: vLLM's "ngram" method,
+    or under async scheduling its GPU variant "ngram_gpu" (vLLM refuses "ngram" there;
+    either builds on CPU, as far as the scheduler goes)."""
+    return SpeculativeConfig(
+        method="ngram_gpu" if async_scheduling else "ngram",
+        num_speculative_tokens=num_tokens,
+        prompt_lookup_max=3,
+        prompt_lookup_min=2,
+    )
+
+
 def make_request(request_id: str, prompt: list[int], max_tokens: int = 4) -> Request:
     return Request(
         request_id=request_id,
@@ -228,6 +247,7 @@ def hit_tokens(scheduler_output: Any) -> dict[str, int]:
 
 
 Arrivals = Mapping[int, tuple[str, list[int], int]]
+"""Step -> (request id, prompt, max tokens) of the request added before that step."""
 
 
 def shared_prefix_arrivals(
@@ -243,9 +263,6 @@ def shared_prefix_arrivals(
         suffix = [rng.randrange(50_000) for _ in range(rng.randrange(1, max_suffix))]
         arrivals[4 * i] = (f"r{i}", shared + suffix, rng.randrange(*output_tokens))
     return arrivals
-
-
-"""Step -> (request id, prompt, max tokens) of the request added before that step."""
 
 
 def decision_trace(

@@ -37,7 +37,6 @@ import pytest
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
-from vllm.config import SpeculativeConfig  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_block_hash  # noqa: E402
 from vllm.v1.kv_offload.base import LookupResult, ReqContext  # noqa: E402
 from vllm.v1.outputs import DraftTokenIds  # noqa: E402
@@ -52,6 +51,7 @@ from .harness import (  # noqa: E402
     make_request,
     make_scheduler,
     model_output,
+    ngram_speculation,
     offloading_metadata,
     transfer_config,
 )
@@ -163,8 +163,6 @@ class FaultTrace:
         self.draft_rng = random.Random(f"drafts {seed}")
         self.drafts: dict[Writer, list[int]] = {}
         """Writer -> the draft tokens its step verifies (the worker's, under async)."""
-        self.samples: dict[Writer, bool] = {}
-        """Writer -> whether its step samples (ends the prefill, or decodes)."""
         self.rejected_in_flight: dict[tuple[str, int], int] = {}
         """Request incarnation -> drafts rejected by its steps not reported yet (under
         async scheduling the worker, which knows them, writes the next steps' tokens
@@ -223,12 +221,7 @@ class FaultTrace:
         per request (the test's ``per_request_nans`` fixture)."""
         if not spec_tokens:
             return make_scheduler(**options)
-        config = SpeculativeConfig(
-            method="ngram_gpu" if options["async_scheduling"] else "ngram",
-            num_speculative_tokens=spec_tokens,
-            prompt_lookup_max=3,
-            prompt_lookup_min=2,
-        )
+        config = ngram_speculation(spec_tokens, async_scheduling=options["async_scheduling"])
         return make_scheduler(speculative_config=config, **options)
 
     def run(self) -> dict[str, int]:
@@ -333,8 +326,6 @@ class FaultTrace:
             ids = self.expected[req_id][start : start + n]
             assert len(ids) == n, f"{req_id} computes past its last token"
             drafts = self.step_drafts(so, w)
-            if self.spec_tokens:
-                self.samples[w] = not s.requests[req_id].is_prefill_chunk
             if drafts:
                 # The KV at each draft's position is that of the tokens before it plus
                 # the drafts so far: the expected prefix's while the drafts match what
@@ -568,17 +559,17 @@ class FaultTrace:
 
     def sample(self, output: Any, writers: dict[str, Writer], live: dict[str, bool]) -> None:
         """The step's rows under speculative decoding, as the worker returns them: a
-        step that samples returns the drafts it accepted and a bonus token (the model
-        samples ``TOKEN`` every time), whatever became of its request since (whether
-        the step samples was noted when it was scheduled). The drafts a step rejected
-        are no longer ahead of the scheduler's count of the request's computed tokens."""
+        step that samples (``model_output`` gave it a token) returns the drafts it
+        accepted and a bonus token (the model samples ``TOKEN`` every time). The drafts a
+        step rejected are no longer ahead of the scheduler's count of the request's
+        computed tokens."""
         rows = output.sampled_token_ids
         for req_id, w in writers.items():
             drafts = self.drafts.pop(w, [])
             accepted = _accepted(drafts)
-            rows[output.req_id_to_index[req_id]] = (
-                [TOKEN] * (accepted + 1) if self.samples.pop(w) else []
-            )
+            index = output.req_id_to_index[req_id]
+            if rows[index]:
+                rows[index] = [TOKEN] * (accepted + 1)
             if drafts:
                 key = (req_id, w[2])
                 left = self.rejected_in_flight.pop(key, 0) - (len(drafts) - accepted)

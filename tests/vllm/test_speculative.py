@@ -19,7 +19,6 @@ import pytest
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
-from vllm.config import SpeculativeConfig  # noqa: E402
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput  # noqa: E402
 
 from kvguard import BlockState  # noqa: E402
@@ -34,6 +33,7 @@ from .harness import (  # noqa: E402
     make_request,
     make_scheduler,
     model_output,
+    ngram_speculation,
     shared_prefix_arrivals,
 )
 
@@ -41,19 +41,11 @@ TOKEN = 5  # what the model samples every time: a draft is accepted iff it is TO
 SPEC_TOKENS = 3
 
 
-def _spec(async_scheduling: bool) -> SpeculativeConfig:
-    # vLLM refuses CPU ngram drafts with async scheduling; its GPU variant is accepted.
-    method = "ngram_gpu" if async_scheduling else "ngram"
-    return SpeculativeConfig(
-        method=method, num_speculative_tokens=SPEC_TOKENS, prompt_lookup_max=3, prompt_lookup_min=2
-    )
-
-
 def scheduler(*, guarded: bool = True, async_scheduling: bool = False, **kw: Any) -> Any:
     return make_scheduler(
         guarded=guarded,
         async_scheduling=async_scheduling,
-        speculative_config=_spec(async_scheduling),
+        speculative_config=ngram_speculation(SPEC_TOKENS, async_scheduling=async_scheduling),
         **kw,
     )
 
