@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from kvguard.adapters.vllm import worker_nans
 from kvguard.adapters.vllm._compat import require_supported_vllm
 from kvguard.adapters.vllm.config import GuardConfigError
 
@@ -59,8 +60,6 @@ def register() -> None:
     _patch_zeroing()
     _patch_scheduler_cls()
     _patch_connector_cls()
-    from kvguard.adapters.vllm import worker_nans
-
     worker_nans.install()
 
 
@@ -70,8 +69,6 @@ def worker_counts_per_request(environ: Any = os.environ) -> bool:
     it builds the scheduler and in every worker before its model runner, under the same
     settings, so the workers were patched too -- unless the plugin did not run here
     either (``VLLM_PLUGINS`` leaving ``kvguard`` out, or a scheduler built by hand)."""
-    from kvguard.adapters.vllm import worker_nans
-
     return requested(environ) and worker_nans.installed()
 
 
