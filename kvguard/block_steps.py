@@ -57,6 +57,11 @@ class BlockSteps(PoolCore):
         """
         if type(num_blocks) is not int or num_blocks < 0:
             _check_count("num_blocks", num_blocks)
+        fast = self._fast
+        if fast is not None:
+            ids = fast.allocate(num_blocks, write)
+            if ids is not None:
+                return ids
         # write: ALLOCATED --WRITE--> WRITTEN for fresh, distinct, block-level-held
         # blocks (write_blocks' fast path, applied as they are handed out).
         return self._take_free(num_blocks, 1, write)
@@ -64,6 +69,9 @@ class BlockSteps(PoolCore):
     def acquire_blocks(self, block_ids: Iterable[int]) -> None:
         """Take a block-level reference on cached (PUBLISHED/OFFLOADED) blocks."""
         ids = block_ids if isinstance(block_ids, list) else list(block_ids)
+        fast = self._fast
+        if fast is not None and fast.acquire(ids):
+            return
         blocks = self._blocks
         num_blocks = self.num_blocks
         for block_id in ids:
@@ -88,6 +96,12 @@ class BlockSteps(PoolCore):
         freed, not quarantined, without a validation call of its own.
         """
         ids = block_ids if isinstance(block_ids, list) else list(block_ids)
+        fast = self._fast
+        if fast is not None:
+            split = fast.release(ids, steps_passed)
+            if split is not None:  # (freed blocks are enqueued already)
+                self._enqueue_released(*split, steps_passed)
+                return
         blocks = self._blocks
         num_blocks = self.num_blocks
         # One pass drops the references, stopping at the first one that cannot be
@@ -136,6 +150,13 @@ class BlockSteps(PoolCore):
                 block.pending_publication = None  # dies with the last holder
                 free_ids.append(block.block_id)
             self._free.push_empty(free_ids)
+        self._enqueue_released(cached, released, steps_passed)
+
+    def _enqueue_released(
+        self, cached: list[Block], released: list[Block], steps_passed: bool
+    ) -> None:
+        """The end of :meth:`release_blocks`: enqueue the blocks whose last reference
+        went that stay cached, and settle the others that are not plainly freed."""
         if cached:
             self._free.push_evictable(cached)  # RELEASE keeps them cached (a self-loop)
         if released:
@@ -237,6 +258,17 @@ class BlockSteps(PoolCore):
         ids = block_ids if isinstance(block_ids, list) else list(block_ids)
         if publish and not self.enable_caching:
             raise PoolMisuseError("validate_blocks(publish=...) needs enable_caching=True")
+        fast = self._fast
+        if fast is not None and not self.record_events:
+            # The usual case (distinct blocks, each written by this step alone), in C.
+            done = fast.validate(ids, publish if publish else None)  # type: ignore[arg-type]
+            if done is not None:
+                published, duplicates, num_held = done
+                if num_held:
+                    self._counters.withheld_publications += num_held
+                if published:
+                    self._counters.blocks_published += len(published)
+                return BlockValidation(tuple(ids), tuple(published), tuple(duplicates))
         blocks = self._blocks
         num_blocks = self.num_blocks
         # The usual case -- distinct blocks, each written by this step alone: one

@@ -22,6 +22,7 @@ from kvguard.errors import (
     UnknownRequestError,
 )
 from kvguard.events import BlockRemoved, PoolEvent
+from kvguard.fast_path import fast_path
 from kvguard.free_queue import FreeQueue
 from kvguard.hashing import BlockHash, BlockHasher, default_block_hasher
 from kvguard.ledger import RequestRecord
@@ -77,6 +78,8 @@ _PUBLISH_FROM_VALIDATED = _NEXT[_VALIDATED][_PUBLISH]
 _WRITTEN_FROM_ALLOCATED = _NEXT[_ALLOCATED][_WRITE]
 # Cached states a release leaves as they are (they become eviction candidates).
 _STAYS_CACHED = frozenset(s for s in MATCHABLE_STATES if _RELEASE_TO.get(s) is s)
+# Matchable states a prefix hit (ACQUIRE) leaves as they are.
+_ACQUIRABLE = tuple(s for s in MATCHABLE_STATES if _ACQUIRE_TO.get(s) is s)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -135,6 +138,22 @@ class PoolCore:
         self._events: list[PoolEvent] = []
         self._tiers = TierLedger()
         self._counters = Counters()
+        # The block-level hot paths in C when the extension was built (else None).
+        self._fast = fast_path(
+            block_type,
+            self._blocks,
+            self._free,
+            self._index,
+            allocated=_ALLOCATED,
+            written_from_allocated=_WRITTEN_FROM_ALLOCATED,
+            written=_WRITTEN,
+            freed=_RELEASE_TO[_NEXT[_WRITTEN][_VALIDATE]],
+            validated=_VALIDATE_FROM_WRITTEN,
+            published=_PUBLISH_FROM_VALIDATED,
+            stays_cached=tuple(_STAYS_CACHED),
+            acquirable=_ACQUIRABLE,
+            zero_all=zero_policy is _ZERO_ALL,
+        )
 
     def _move(self, block: Block, event: BlockEvent) -> None:
         """Apply ``event`` to ``block`` through the transition table (the only writer)."""

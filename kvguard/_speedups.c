@@ -1,0 +1,645 @@
+/* kvguard._speedups: compiled fast paths of the pool's block-level hot operations.
+ *
+ * An engine's scheduler calls the pool several times per step (vLLM: allocation,
+ * prefix hits, frees, the validation pass); in pure Python each call's per-block
+ * loop and its layers of calls cost more than vLLM's own pool does for the same
+ * blocks. Each method of FastPath here does, for the *common* case, exactly what the
+ * Python code in kvguard/block_steps.py and kvguard/pool_core.py does -- the same
+ * state changes, the same order -- or changes nothing and returns None/False, and the
+ * Python path (the reference, which names every error) runs instead.
+ *
+ * The block records stay Python objects (a slots dataclass, which vLLM reads as its
+ * KVCacheBlock): their fields are read and written here through the offsets of their
+ * slot descriptors, looked up once. States are the BlockState members the Python side
+ * passes in, read off its one transition table; nothing here decides a transition.
+ */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+
+typedef struct {
+    PyObject_HEAD
+    PyTypeObject *block_type;
+    PyObject *blocks;      /* list of block records, index = block id */
+    PyObject *free_queue;  /* kvguard.free_queue.FreeQueue */
+    PyObject *empty;       /* its list of FREE block ids */
+    PyObject *quarantined; /* its list of QUARANTINED block ids */
+    PyObject *index;       /* the prefix index: dict hash -> block id */
+    PyObject *remove_evictable; /* bound FreeQueue.remove_evictable */
+    PyObject *st_allocated;
+    PyObject *st_written_from_allocated;
+    PyObject *st_written;
+    PyObject *st_free;
+    PyObject *st_validated;            /* WRITTEN --VALIDATE--> */
+    PyObject *st_published;            /* VALIDATED --PUBLISH--> */
+    PyObject *stays_cached;            /* tuple: states a release leaves cached */
+    PyObject *acquirable;              /* tuple: states ACQUIRE leaves as they are */
+    int zero_all;                      /* zero_policy ALL: every allocation queues zeroing */
+    Py_ssize_t off_block_id, off_state, off_ref_cnt, off_block_hash, off_parent_hash,
+        off_generation, off_external_refs, off_writers, off_pending, off_size;
+} FastPath;
+
+#define FIELD(obj, off) (*(PyObject **)((char *)(obj) + (off)))
+
+/* Replace a slot's value (a new reference is taken on v). */
+static inline void
+set_field(PyObject *obj, Py_ssize_t off, PyObject *v)
+{
+    PyObject **p = &FIELD(obj, off);
+    PyObject *old = *p;
+    Py_INCREF(v);
+    *p = v;
+    Py_XDECREF(old);
+}
+
+/* Replace a slot's value with a new reference the caller hands over (v non-NULL). */
+static inline void
+put_field(PyObject *obj, Py_ssize_t off, PyObject *v)
+{
+    PyObject **p = &FIELD(obj, off);
+    PyObject *old = *p;
+    *p = v;
+    Py_XDECREF(old);
+}
+
+/* A slot holding an exact int that fits a long: 1 and *out set; else 0 (no error set). */
+static inline int
+get_long(PyObject *obj, Py_ssize_t off, long *out)
+{
+    PyObject *v = FIELD(obj, off);
+    if (v == NULL || !PyLong_CheckExact(v))
+        return 0;
+    long x = PyLong_AsLong(v);
+    if (x == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    *out = x;
+    return 1;
+}
+
+static int
+add_to_field(PyObject *obj, Py_ssize_t off, long value, long delta)
+{
+    PyObject *v = PyLong_FromLong(value + delta);
+    if (v == NULL)
+        return -1;
+    put_field(obj, off, v);
+    return 0;
+}
+
+/* The block record with this id, or NULL (no error set) when id_obj is not an exact
+ * int naming one of the pool's blocks of the expected type. */
+static inline PyObject *
+block_of(FastPath *self, PyObject *id_obj)
+{
+    if (!PyLong_CheckExact(id_obj))
+        return NULL;
+    Py_ssize_t i = PyLong_AsSsize_t(id_obj);
+    if (i == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return NULL;
+    }
+    if (i < 0 || i >= PyList_GET_SIZE(self->blocks))
+        return NULL;
+    PyObject *block = PyList_GET_ITEM(self->blocks, i);
+    if (Py_TYPE(block) != self->block_type)
+        return NULL;
+    return block;
+}
+
+static inline int
+in_tuple(PyObject *tuple, PyObject *item)
+{
+    Py_ssize_t n = PyTuple_GET_SIZE(tuple);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (PyTuple_GET_ITEM(tuple, i) == item)
+            return 1;
+    return 0;
+}
+
+static Py_ssize_t
+slot_offset(PyObject *type, const char *name)
+{
+    PyObject *d = PyObject_GetAttrString(type, name);
+    if (d == NULL)
+        return -1;
+    if (!Py_IS_TYPE(d, &PyMemberDescr_Type)) {
+        PyErr_Format(PyExc_TypeError, "%R.%s is not a slot", type, name);
+        Py_DECREF(d);
+        return -1;
+    }
+    PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
+    Py_ssize_t off = m->offset;
+    int ok = m->type == T_OBJECT_EX || m->type == T_OBJECT;
+    Py_DECREF(d);
+    if (!ok) {
+        PyErr_Format(PyExc_TypeError, "%R.%s is not an object slot", type, name);
+        return -1;
+    }
+    return off;
+}
+
+static void
+FastPath_dealloc(FastPath *self)
+{
+    PyObject_GC_UnTrack(self);
+    Py_CLEAR(self->block_type);
+    Py_CLEAR(self->blocks);
+    Py_CLEAR(self->free_queue);
+    Py_CLEAR(self->empty);
+    Py_CLEAR(self->quarantined);
+    Py_CLEAR(self->index);
+    Py_CLEAR(self->remove_evictable);
+    Py_CLEAR(self->st_allocated);
+    Py_CLEAR(self->st_written_from_allocated);
+    Py_CLEAR(self->st_written);
+    Py_CLEAR(self->st_free);
+    Py_CLEAR(self->st_validated);
+    Py_CLEAR(self->st_published);
+    Py_CLEAR(self->stays_cached);
+    Py_CLEAR(self->acquirable);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int
+FastPath_traverse(FastPath *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->block_type);
+    Py_VISIT(self->blocks);
+    Py_VISIT(self->free_queue);
+    Py_VISIT(self->empty);
+    Py_VISIT(self->quarantined);
+    Py_VISIT(self->index);
+    Py_VISIT(self->remove_evictable);
+    Py_VISIT(self->stays_cached);
+    Py_VISIT(self->acquirable);
+    return 0;
+}
+
+static int
+FastPath_clear(FastPath *self)
+{
+    Py_CLEAR(self->blocks);
+    Py_CLEAR(self->free_queue);
+    Py_CLEAR(self->empty);
+    Py_CLEAR(self->quarantined);
+    Py_CLEAR(self->index);
+    Py_CLEAR(self->remove_evictable);
+    return 0;
+}
+
+static int
+FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"block_type", "blocks", "free_queue", "empty", "quarantined",
+                             "index", "allocated", "written_from_allocated", "written",
+                             "free", "validated", "published", "stays_cached", "acquirable",
+                             "zero_all", NULL};
+    PyObject *block_type, *blocks, *free_queue, *empty, *quarantined, *index;
+    PyObject *st[6], *stays_cached, *acquirable;
+    int zero_all;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!OO!O!O!OOOOOOO!O!p", kwlist, &PyType_Type,
+                                     &block_type, &PyList_Type, &blocks, &free_queue,
+                                     &PyList_Type, &empty, &PyList_Type, &quarantined,
+                                     &PyDict_Type, &index, &st[0], &st[1], &st[2], &st[3],
+                                     &st[4], &st[5], &PyTuple_Type, &stays_cached,
+                                     &PyTuple_Type, &acquirable, &zero_all))
+        return -1;
+    if (!PyList_CheckExact(blocks) || !PyList_CheckExact(empty) ||
+        !PyList_CheckExact(quarantined) || !PyDict_CheckExact(index)) {
+        PyErr_SetString(PyExc_TypeError, "FastPath needs plain lists and a plain dict");
+        return -1;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(blocks);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (Py_TYPE(PyList_GET_ITEM(blocks, i)) != (PyTypeObject *)block_type) {
+            PyErr_SetString(PyExc_TypeError, "every block record must be of block_type");
+            return -1;
+        }
+    }
+#define OFF(field)                                                         \
+    if ((self->off_##field = slot_offset(block_type, #field)) < 0)         \
+        return -1;
+    OFF(block_id)
+    OFF(state)
+    OFF(ref_cnt)
+    OFF(block_hash)
+    OFF(parent_hash)
+    OFF(generation)
+    OFF(external_refs)
+    OFF(writers)
+#undef OFF
+    if ((self->off_pending = slot_offset(block_type, "pending_publication")) < 0)
+        return -1;
+    if ((self->off_size = slot_offset((PyObject *)Py_TYPE(free_queue), "size")) < 0)
+        return -1;
+    PyObject *remove = PyObject_GetAttrString(free_queue, "remove_evictable");
+    if (remove == NULL)
+        return -1;
+    Py_XSETREF(self->remove_evictable, remove);
+    Py_INCREF(block_type);
+    Py_XSETREF(self->block_type, (PyTypeObject *)block_type);
+#define KEEP(member, value) \
+    Py_INCREF(value);       \
+    Py_XSETREF(self->member, value);
+    KEEP(blocks, blocks)
+    KEEP(free_queue, free_queue)
+    KEEP(empty, empty)
+    KEEP(quarantined, quarantined)
+    KEEP(index, index)
+    KEEP(st_allocated, st[0])
+    KEEP(st_written_from_allocated, st[1])
+    KEEP(st_written, st[2])
+    KEEP(st_free, st[3])
+    KEEP(st_validated, st[4])
+    KEEP(st_published, st[5])
+    KEEP(stays_cached, stays_cached)
+    KEEP(acquirable, acquirable)
+#undef KEEP
+    self->zero_all = zero_all;
+    return 0;
+}
+
+/* allocate(n, write) -> list[int] | None
+ *
+ * _take_free(n, external_refs=1, write) when the free queue's FREE blocks alone serve
+ * it (no quarantined block waiting, no eviction, no zeroing policy "all"): the ids
+ * FreeQueue.take_empty(n) returns, each block ALLOCATED (or WRITTEN by one step),
+ * ref_cnt 1, one block-level reference, its generation bumped. None: nothing taken.
+ */
+static PyObject *
+FastPath_allocate(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "allocate(n, write)");
+        return NULL;
+    }
+    if (self->blocks == NULL || self->zero_all || !PyLong_CheckExact(args[0]))
+        Py_RETURN_NONE;
+    Py_ssize_t n = PyLong_AsSsize_t(args[0]);
+    if (n == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    int write = PyObject_IsTrue(args[1]);
+    if (write < 0)
+        return NULL;
+    PyObject *empty = self->empty;
+    Py_ssize_t len = PyList_GET_SIZE(empty);
+    if (n <= 0 || PyList_GET_SIZE(self->quarantined) || len < n)
+        Py_RETURN_NONE;
+    long size, generation = 0;
+    if (!get_long(self->free_queue, self->off_size, &size))
+        Py_RETURN_NONE;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *block = block_of(self, PyList_GET_ITEM(empty, len - 1 - k));
+        if (block == NULL || !get_long(block, self->off_generation, &generation))
+            Py_RETURN_NONE;
+    }
+    PyObject *ids = PyList_New(n);
+    if (ids == NULL)
+        return NULL;
+    PyObject *one = PyLong_FromLong(1), *zero = PyLong_FromLong(0);
+    PyObject *state = write ? self->st_written_from_allocated : self->st_allocated;
+    PyObject *writers = write ? one : zero;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *id_obj = PyList_GET_ITEM(empty, len - 1 - k);
+        Py_INCREF(id_obj);
+        PyList_SET_ITEM(ids, k, id_obj);
+        PyObject *block = block_of(self, id_obj);
+        set_field(block, self->off_state, state);
+        set_field(block, self->off_ref_cnt, one);
+        set_field(block, self->off_external_refs, one);
+        set_field(block, self->off_writers, writers);
+        get_long(block, self->off_generation, &generation);
+        if (add_to_field(block, self->off_generation, generation, 1) < 0)
+            goto error;
+    }
+    Py_DECREF(one);
+    Py_DECREF(zero);
+    if (PyList_SetSlice(empty, len - n, len, NULL) < 0 ||
+        add_to_field(self->free_queue, self->off_size, size, -n) < 0) {
+        Py_DECREF(ids);
+        return NULL;
+    }
+    return ids;
+error:
+    Py_DECREF(one);
+    Py_DECREF(zero);
+    Py_DECREF(ids);
+    return NULL;
+}
+
+/* release(ids: list[int], steps_passed) -> (cached, released) | None
+ *
+ * release_blocks' reference-dropping pass: one block-level reference of each id in
+ * turn; a block whose last reference goes is *cached* (a state a release leaves
+ * cached), *freed* (ALLOCATED, or WRITTEN with steps_passed and no publication
+ * waiting: it becomes FREE and joins the free queue's FREE blocks here), or
+ * *released* (anything else). Returns the cached and the released blocks, in release
+ * order, for the Python path to enqueue / settle. None: some id cannot be released
+ * (not an id of the pool, or no block-level reference left); every reference dropped
+ * before it is restored, nothing changed, and the caller names the error.
+ */
+static PyObject *
+FastPath_release(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "release(ids, steps_passed)");
+        return NULL;
+    }
+    PyObject *ids = args[0];
+    if (self->blocks == NULL || !PyList_CheckExact(ids))
+        Py_RETURN_NONE;
+    int steps_passed = PyObject_IsTrue(args[1]);
+    if (steps_passed < 0)
+        return NULL;
+    long size;
+    if (!get_long(self->free_queue, self->off_size, &size))
+        Py_RETURN_NONE;
+    Py_ssize_t n = PyList_GET_SIZE(ids);
+    /* Checking pass: every block's counters are plain ints (so that the applying pass
+     * cannot stop half-way on them), and references suffice. Duplicates are checked
+     * in the applying pass, which undoes itself if one lacks a reference. */
+    long refs = 0, ref_cnt = 0;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *block = block_of(self, PyList_GET_ITEM(ids, k));
+        if (block == NULL || !get_long(block, self->off_external_refs, &refs) || refs <= 0 ||
+            !get_long(block, self->off_ref_cnt, &ref_cnt) || ref_cnt < refs)
+            Py_RETURN_NONE;
+    }
+    PyObject *cached = PyList_New(0), *released = PyList_New(0), *freed = PyList_New(0);
+    if (cached == NULL || released == NULL || freed == NULL)
+        goto error;
+    Py_ssize_t done = 0;
+    for (; done < n; done++) {
+        PyObject *block = block_of(self, PyList_GET_ITEM(ids, done));
+        get_long(block, self->off_external_refs, &refs);
+        if (refs <= 0)
+            break; /* a duplicate id holding fewer references than it is named */
+        get_long(block, self->off_ref_cnt, &ref_cnt);
+        if (add_to_field(block, self->off_external_refs, refs, -1) < 0 ||
+            add_to_field(block, self->off_ref_cnt, ref_cnt, -1) < 0)
+            goto error;
+        if (ref_cnt == 1) {
+            PyObject *state = FIELD(block, self->off_state);
+            PyObject *into;
+            if (in_tuple(self->stays_cached, state))
+                into = cached;
+            else if (state == self->st_allocated ||
+                     (steps_passed && state == self->st_written &&
+                      FIELD(block, self->off_pending) == Py_None))
+                into = freed;
+            else
+                into = released;
+            if (PyList_Append(into, block) < 0)
+                goto error;
+        }
+    }
+    if (done != n) {
+        for (Py_ssize_t k = 0; k < done; k++) {
+            PyObject *block = block_of(self, PyList_GET_ITEM(ids, k));
+            get_long(block, self->off_external_refs, &refs);
+            get_long(block, self->off_ref_cnt, &ref_cnt);
+            if (add_to_field(block, self->off_external_refs, refs, 1) < 0 ||
+                add_to_field(block, self->off_ref_cnt, ref_cnt, 1) < 0)
+                goto error;
+        }
+        Py_DECREF(cached);
+        Py_DECREF(released);
+        Py_DECREF(freed);
+        Py_RETURN_NONE;
+    }
+    /* ALLOCATED --RELEASE--> FREE, and WRITTEN --VALIDATE--> VALIDATED --RELEASE-->
+     * FREE (the Python side checks at import that the table agrees). */
+    Py_ssize_t num_freed = PyList_GET_SIZE(freed);
+    if (num_freed) {
+        PyObject *zero = PyLong_FromLong(0);
+        for (Py_ssize_t k = 0; k < num_freed; k++) {
+            PyObject *block = PyList_GET_ITEM(freed, k);
+            set_field(block, self->off_state, self->st_free);
+            set_field(block, self->off_writers, zero);
+            set_field(block, self->off_pending, Py_None);
+            if (PyList_Append(self->empty, FIELD(block, self->off_block_id)) < 0) {
+                Py_DECREF(zero);
+                goto error;
+            }
+        }
+        Py_DECREF(zero);
+        if (add_to_field(self->free_queue, self->off_size, size, num_freed) < 0)
+            goto error;
+    }
+    Py_DECREF(freed);
+    PyObject *result = PyTuple_Pack(2, cached, released);
+    Py_DECREF(cached);
+    Py_DECREF(released);
+    return result;
+error:
+    Py_XDECREF(cached);
+    Py_XDECREF(released);
+    Py_XDECREF(freed);
+    return NULL;
+}
+
+/* validate(ids: list[int], publish: dict | None) -> (published, duplicates, held) | None
+ *
+ * validate_blocks' usual case followed by _validate_and_publish: ids distinct, each
+ * block WRITTEN by exactly one step in flight (checked here: None, nothing changed,
+ * otherwise). Each becomes VALIDATED; its publication -- publish[id] if there is
+ * one (counted in held), else the one it carries -- happens now: the hash and parent
+ * set, and PUBLISHED in the index unless the index holds that hash already (then a
+ * duplicate, VALIDATED with its hash). The caller counts, builds the result and
+ * records events (it takes the Python path when events are recorded).
+ */
+static PyObject *
+FastPath_validate(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "validate(ids, publish)");
+        return NULL;
+    }
+    PyObject *ids = args[0], *publish = args[1];
+    if (self->blocks == NULL || !PyList_CheckExact(ids) ||
+        (publish != Py_None && !PyDict_CheckExact(publish)))
+        Py_RETURN_NONE;
+    Py_ssize_t n = PyList_GET_SIZE(ids);
+    PyObject *zero = PyLong_FromLong(0), *one = PyLong_FromLong(1);
+    /* Checking pass: a block counted here has its writers set to 0, so that an id
+     * named twice fails the check; on failure they are set back. */
+    Py_ssize_t checked = 0;
+    long writers;
+    for (; checked < n; checked++) {
+        PyObject *block = block_of(self, PyList_GET_ITEM(ids, checked));
+        if (block == NULL || FIELD(block, self->off_state) != self->st_written ||
+            !get_long(block, self->off_writers, &writers) || writers != 1)
+            break;
+        PyObject *pending = NULL;
+        if (publish != Py_None) {
+            pending = PyDict_GetItemWithError(publish, PyList_GET_ITEM(ids, checked));
+            if (pending == NULL && PyErr_Occurred())
+                PyErr_Clear();
+            if (pending == Py_None)
+                pending = NULL; /* publish.get() gives None: no publication held */
+        }
+        if (pending == NULL) {
+            pending = FIELD(block, self->off_pending);
+            if (pending == NULL)
+                break;
+        }
+        if (pending != Py_None && (!PyTuple_CheckExact(pending) || PyTuple_GET_SIZE(pending) != 3))
+            break; /* the Python path raises on it as before */
+        set_field(block, self->off_writers, zero);
+    }
+    if (checked != n) {
+        for (Py_ssize_t k = 0; k < checked; k++)
+            set_field(block_of(self, PyList_GET_ITEM(ids, k)), self->off_writers, one);
+        Py_DECREF(zero);
+        Py_DECREF(one);
+        Py_RETURN_NONE;
+    }
+    Py_DECREF(zero);
+    Py_DECREF(one);
+    PyObject *published = PyList_New(0), *duplicates = PyList_New(0);
+    if (published == NULL || duplicates == NULL)
+        goto error;
+    Py_ssize_t held = 0;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *id_obj = PyList_GET_ITEM(ids, k);
+        PyObject *block = block_of(self, id_obj);
+        set_field(block, self->off_state, self->st_validated); /* writers: 0 above */
+        PyObject *pending = NULL;
+        if (publish != Py_None) {
+            pending = PyDict_GetItemWithError(publish, id_obj);
+            if (pending == NULL && PyErr_Occurred())
+                goto error;
+            if (pending == Py_None)
+                pending = NULL;
+        }
+        if (pending == NULL) {
+            pending = FIELD(block, self->off_pending);
+            if (pending == Py_None)
+                continue;
+        }
+        else {
+            held++;
+        }
+        Py_INCREF(pending);
+        set_field(block, self->off_pending, Py_None);
+        PyObject *block_hash = PyTuple_GET_ITEM(pending, 0);
+        set_field(block, self->off_block_hash, block_hash);
+        set_field(block, self->off_parent_hash, PyTuple_GET_ITEM(pending, 1));
+        int known = PyDict_Contains(self->index, block_hash);
+        if (known < 0) {
+            Py_DECREF(pending);
+            goto error;
+        }
+        if (known) {
+            Py_DECREF(pending);
+            if (PyList_Append(duplicates, id_obj) < 0)
+                goto error;
+            continue;
+        }
+        set_field(block, self->off_state, self->st_published);
+        int failed = PyDict_SetItem(self->index, block_hash, id_obj) < 0 ||
+                     PyList_Append(published, id_obj) < 0;
+        Py_DECREF(pending);
+        if (failed)
+            goto error;
+    }
+    PyObject *result = Py_BuildValue("(OOn)", published, duplicates, held);
+    Py_DECREF(published);
+    Py_DECREF(duplicates);
+    return result;
+error:
+    Py_XDECREF(published);
+    Py_XDECREF(duplicates);
+    return NULL;
+}
+
+/* acquire(ids: list[int]) -> bool
+ *
+ * acquire_blocks(ids): every id names a block in a state ACQUIRE leaves as it is
+ * (PUBLISHED/OFFLOADED), else False and nothing changed. Each takes a reference and
+ * a block-level one; a block taken from zero references leaves the eviction queue.
+ */
+static PyObject *
+FastPath_acquire(FastPath *self, PyObject *ids)
+{
+    if (self->blocks == NULL || !PyList_CheckExact(ids))
+        Py_RETURN_FALSE;
+    Py_ssize_t n = PyList_GET_SIZE(ids);
+    long refs = 0, ref_cnt = 0;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *block = block_of(self, PyList_GET_ITEM(ids, k));
+        if (block == NULL || !in_tuple(self->acquirable, FIELD(block, self->off_state)) ||
+            !get_long(block, self->off_external_refs, &refs) ||
+            !get_long(block, self->off_ref_cnt, &ref_cnt))
+            Py_RETURN_FALSE;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *block = block_of(self, PyList_GET_ITEM(ids, k));
+        get_long(block, self->off_ref_cnt, &ref_cnt);
+        if (!ref_cnt) {
+            PyObject *r = PyObject_CallOneArg(self->remove_evictable, block);
+            if (r == NULL)
+                return NULL;
+            Py_DECREF(r);
+        }
+        get_long(block, self->off_external_refs, &refs);
+        if (add_to_field(block, self->off_ref_cnt, ref_cnt, 1) < 0 ||
+            add_to_field(block, self->off_external_refs, refs, 1) < 0)
+            return NULL;
+    }
+    Py_RETURN_TRUE;
+}
+
+static PyMethodDef FastPath_methods[] = {
+    {"allocate", (PyCFunction)(void (*)(void))FastPath_allocate, METH_FASTCALL,
+     "allocate(n, write) -> list[int] | None"},
+    {"release", (PyCFunction)(void (*)(void))FastPath_release, METH_FASTCALL,
+     "release(ids, steps_passed) -> (cached, released) | None"},
+    {"validate", (PyCFunction)(void (*)(void))FastPath_validate, METH_FASTCALL,
+     "validate(ids, publish) -> (published, duplicates, held) | None"},
+    {"acquire", (PyCFunction)FastPath_acquire, METH_O, "acquire(ids) -> bool"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject FastPathType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvguard._speedups.FastPath",
+    .tp_doc = "Compiled fast paths of one pool's block-level hot operations.",
+    .tp_basicsize = sizeof(FastPath),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)FastPath_init,
+    .tp_dealloc = (destructor)FastPath_dealloc,
+    .tp_traverse = (traverseproc)FastPath_traverse,
+    .tp_clear = (inquiry)FastPath_clear,
+    .tp_methods = FastPath_methods,
+};
+
+static struct PyModuleDef speedups_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "kvguard._speedups",
+    .m_doc = "Compiled fast paths of kvguard's block pool (optional; pure Python otherwise).",
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC
+PyInit__speedups(void)
+{
+    if (PyType_Ready(&FastPathType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&speedups_module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&FastPathType);
+    if (PyModule_AddObject(m, "FastPath", (PyObject *)&FastPathType) < 0) {
+        Py_DECREF(&FastPathType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,31 @@
+from kvguard.block import Block
+from kvguard.block import PendingPublication as PendingPublication
+from kvguard.free_queue import FreeQueue
+from kvguard.hashing import BlockHash
+from kvguard.states import BlockState
+
+class FastPath:
+    def __init__(
+        self,
+        block_type: type[Block],
+        blocks: list[Block],
+        free_queue: FreeQueue,
+        empty: list[int],
+        quarantined: list[int],
+        index: dict[BlockHash, int],
+        allocated: BlockState,
+        written_from_allocated: BlockState,
+        written: BlockState,
+        free: BlockState,
+        validated: BlockState,
+        published: BlockState,
+        stays_cached: tuple[BlockState, ...],
+        acquirable: tuple[BlockState, ...],
+        zero_all: bool,
+    ) -> None: ...
+    def allocate(self, n: int, write: bool) -> list[int] | None: ...
+    def release(self, ids: list[int], steps_passed: bool) -> tuple[list[Block], list[Block]] | None: ...
+    def validate(
+        self, ids: list[int], publish: dict[int, PendingPublication] | None
+    ) -> tuple[list[int], list[int], int] | None: ...
+    def acquire(self, ids: list[int]) -> bool: ...

@@ -1,0 +1,84 @@
+"""The pool's compiled fast paths (the optional C extension ``kvguard._speedups``).
+
+An engine's scheduler calls the pool several times per step, and in pure Python
+kvguard's allocation, release, prefix-hit and validation calls cost more than vLLM's
+own pool does for the same blocks (``docs/vllm.md``, "What it costs"). The extension
+does the common case of each of those four calls in C, with exactly the effects of the
+Python code; anything else -- bad input, quarantined blocks to hand out, evictions,
+recorded events -- takes the Python path, which stays the reference and names every
+error. Both are tested against each other (``tests/test_fast_path.py``).
+
+It is built when the package is installed from source with a C compiler at hand;
+without one, or with ``KVGUARD_PURE_PYTHON=1`` in the environment when a pool is
+built, the pool runs in pure Python and behaves identically.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvguard.block import Block
+from kvguard.free_queue import FreeQueue
+from kvguard.hashing import BlockHash
+from kvguard.states import BlockState
+
+if TYPE_CHECKING:
+    from kvguard._speedups import FastPath
+
+try:
+    from kvguard import _speedups
+except ImportError:  # built without a C compiler: pure Python
+    _speedups = None  # type: ignore[assignment]
+
+PURE_PYTHON_ENV = "KVGUARD_PURE_PYTHON"
+
+
+def available() -> bool:
+    """Whether pools built now use the compiled fast paths."""
+    return _speedups is not None and os.environ.get(PURE_PYTHON_ENV, "") in ("", "0")
+
+
+def fast_path(
+    block_type: type[Block],
+    blocks: list[Block],
+    free: FreeQueue,
+    index: dict[BlockHash, int],
+    *,
+    allocated: BlockState,
+    written_from_allocated: BlockState,
+    written: BlockState,
+    freed: BlockState,
+    validated: BlockState,
+    published: BlockState,
+    stays_cached: Sequence[BlockState],
+    acquirable: Sequence[BlockState],
+    zero_all: bool,
+) -> FastPath | None:
+    """The compiled fast paths over one pool's records, or None (pure Python).
+
+    The states are the pool's transitions read off its one table (the extension
+    decides none itself): what allocation hands out, what a write of a fresh block
+    makes, what a clean release frees to, what validation and publication lead to, the
+    states a release leaves cached and those a prefix hit leaves as they are.
+    """
+    if not available():
+        return None
+    return _speedups.FastPath(
+        block_type,
+        blocks,
+        free,
+        free._empty,  # the queue's own lists, appended to and popped in place
+        free._quarantined,
+        index,
+        allocated,
+        written_from_allocated,
+        written,
+        freed,
+        validated,
+        published,
+        tuple(stays_cached),
+        tuple(acquirable),
+        zero_all,
+    )
