@@ -35,9 +35,13 @@ typedef struct {
     PyObject *st_published;            /* VALIDATED --PUBLISH--> */
     PyObject *stays_cached;            /* tuple: states a release leaves cached */
     PyObject *acquirable;              /* tuple: states ACQUIRE leaves as they are */
+    PyObject *evict_to;                /* dict: cached state -> its state after EVICT */
+    PyObject *counters;                /* kvguard.stats.Counters */
+    PyObject *block_removed;           /* kvguard.events.BlockRemoved */
     int zero_all;                      /* zero_policy ALL: every allocation queues zeroing */
     Py_ssize_t off_block_id, off_state, off_ref_cnt, off_block_hash, off_parent_hash,
-        off_generation, off_external_refs, off_writers, off_pending, off_size;
+        off_generation, off_external_refs, off_writers, off_pending, off_size, off_first,
+        off_num_evictable, off_blocks_evicted;
 } FastPath;
 
 #define FIELD(obj, off) (*(PyObject **)((char *)(obj) + (off)))
@@ -160,6 +164,9 @@ FastPath_dealloc(FastPath *self)
     Py_CLEAR(self->st_published);
     Py_CLEAR(self->stays_cached);
     Py_CLEAR(self->acquirable);
+    Py_CLEAR(self->evict_to);
+    Py_CLEAR(self->counters);
+    Py_CLEAR(self->block_removed);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -175,6 +182,9 @@ FastPath_traverse(FastPath *self, visitproc visit, void *arg)
     Py_VISIT(self->remove_evictable);
     Py_VISIT(self->stays_cached);
     Py_VISIT(self->acquirable);
+    Py_VISIT(self->evict_to);
+    Py_VISIT(self->counters);
+    Py_VISIT(self->block_removed);
     return 0;
 }
 
@@ -187,6 +197,7 @@ FastPath_clear(FastPath *self)
     Py_CLEAR(self->quarantined);
     Py_CLEAR(self->index);
     Py_CLEAR(self->remove_evictable);
+    Py_CLEAR(self->counters);
     return 0;
 }
 
@@ -196,16 +207,17 @@ FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
     static char *kwlist[] = {"block_type", "blocks", "free_queue", "empty", "quarantined",
                              "index", "allocated", "written_from_allocated", "written",
                              "free", "validated", "published", "stays_cached", "acquirable",
-                             "zero_all", NULL};
+                             "evict_to", "counters", "block_removed", "zero_all", NULL};
     PyObject *block_type, *blocks, *free_queue, *empty, *quarantined, *index;
-    PyObject *st[6], *stays_cached, *acquirable;
+    PyObject *st[6], *stays_cached, *acquirable, *evict_to, *counters, *block_removed;
     int zero_all;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!OO!O!O!OOOOOOO!O!p", kwlist, &PyType_Type,
-                                     &block_type, &PyList_Type, &blocks, &free_queue,
-                                     &PyList_Type, &empty, &PyList_Type, &quarantined,
-                                     &PyDict_Type, &index, &st[0], &st[1], &st[2], &st[3],
-                                     &st[4], &st[5], &PyTuple_Type, &stays_cached,
-                                     &PyTuple_Type, &acquirable, &zero_all))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!OO!O!O!OOOOOOO!O!O!OOp", kwlist,
+                                     &PyType_Type, &block_type, &PyList_Type, &blocks,
+                                     &free_queue, &PyList_Type, &empty, &PyList_Type,
+                                     &quarantined, &PyDict_Type, &index, &st[0], &st[1], &st[2],
+                                     &st[3], &st[4], &st[5], &PyTuple_Type, &stays_cached,
+                                     &PyTuple_Type, &acquirable, &PyDict_Type, &evict_to,
+                                     &counters, &block_removed, &zero_all))
         return -1;
     if (!PyList_CheckExact(blocks) || !PyList_CheckExact(empty) ||
         !PyList_CheckExact(quarantined) || !PyDict_CheckExact(index)) {
@@ -233,7 +245,12 @@ FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
 #undef OFF
     if ((self->off_pending = slot_offset(block_type, "pending_publication")) < 0)
         return -1;
-    if ((self->off_size = slot_offset((PyObject *)Py_TYPE(free_queue), "size")) < 0)
+    PyObject *queue_type = (PyObject *)Py_TYPE(free_queue);
+    if ((self->off_size = slot_offset(queue_type, "size")) < 0 ||
+        (self->off_first = slot_offset(queue_type, "_first")) < 0 ||
+        (self->off_num_evictable = slot_offset(queue_type, "_num_evictable")) < 0 ||
+        (self->off_blocks_evicted =
+             slot_offset((PyObject *)Py_TYPE(counters), "blocks_evicted")) < 0)
         return -1;
     PyObject *remove = PyObject_GetAttrString(free_queue, "remove_evictable");
     if (remove == NULL)
@@ -257,26 +274,135 @@ FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
     KEEP(st_published, st[5])
     KEEP(stays_cached, stays_cached)
     KEEP(acquirable, acquirable)
+    KEEP(evict_to, evict_to)
+    KEEP(counters, counters)
+    KEEP(block_removed, block_removed)
 #undef KEEP
     self->zero_all = zero_all;
     return 0;
 }
 
-/* allocate(n, write) -> list[int] | None
+/* Evict `count` cached blocks from the free queue's lowest retention classes, as
+ * FreeQueue.take and PoolCore._evict do (the caller checked they are there): their ids
+ * are set in ids[start:], each block EVICTed (its hash leaves the index), and one
+ * BlockRemoved event appended to `events` unless it is None. */
+static int
+evict_into(FastPath *self, PyObject *ids, Py_ssize_t start, Py_ssize_t count, PyObject *events)
+{
+    PyObject *hashes = PyTuple_New(count), *evicted = PyTuple_New(count);
+    if (hashes == NULL || evicted == NULL)
+        goto error;
+    Py_ssize_t k = 0;
+    while (k < count) {
+        PyObject *first = FIELD(self->free_queue, self->off_first);
+        if (first == NULL || !PyTuple_CheckExact(first) || PyTuple_GET_SIZE(first) != 2) {
+            PyErr_SetString(PyExc_RuntimeError, "kvguard: free queue has no eviction class");
+            goto error;
+        }
+        PyObject *retention = PyTuple_GET_ITEM(first, 0);
+        PyObject *bucket = PyTuple_GET_ITEM(first, 1);
+        Py_INCREF(retention);
+        Py_INCREF(bucket);
+        PyObject *popitem = PyObject_GetAttrString(bucket, "popitem");
+        Py_ssize_t in_bucket = PyObject_Size(bucket);
+        int failed = popitem == NULL || in_bucket < 0;
+        while (!failed && k < count && in_bucket > 0) {
+            PyObject *item = PyObject_CallOneArg(popitem, Py_False);
+            if (item == NULL) {
+                failed = 1;
+                break;
+            }
+            PyObject *id_obj = PyTuple_GET_ITEM(item, 0);
+            Py_INCREF(id_obj);
+            Py_DECREF(item);
+            PyTuple_SET_ITEM(evicted, k, id_obj);
+            k++;
+            in_bucket--;
+        }
+        Py_XDECREF(popitem);
+        if (!failed && in_bucket == 0) {
+            PyObject *r = PyObject_CallMethod(self->free_queue, "_drop_class", "O", retention);
+            failed = r == NULL;
+            Py_XDECREF(r);
+        }
+        Py_DECREF(retention);
+        Py_DECREF(bucket);
+        if (failed)
+            goto error;
+    }
+    long num_evictable, blocks_evicted;
+    if (!get_long(self->free_queue, self->off_num_evictable, &num_evictable) ||
+        !get_long(self->counters, self->off_blocks_evicted, &blocks_evicted)) {
+        PyErr_SetString(PyExc_RuntimeError, "kvguard: free queue counters are not ints");
+        goto error;
+    }
+    if (add_to_field(self->free_queue, self->off_num_evictable, num_evictable, -count) < 0)
+        goto error;
+    for (k = 0; k < count; k++) {
+        PyObject *id_obj = PyTuple_GET_ITEM(evicted, k);
+        PyObject *block = block_of(self, id_obj);
+        if (block == NULL) {
+            PyErr_Format(PyExc_RuntimeError, "kvguard: free queue holds %R", id_obj);
+            goto error;
+        }
+        PyObject *state = FIELD(block, self->off_state);
+        PyObject *new_state = PyDict_GetItemWithError(self->evict_to, state);
+        PyObject *block_hash = FIELD(block, self->off_block_hash);
+        if (new_state == NULL || block_hash == NULL || block_hash == Py_None) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_RuntimeError, "kvguard: evicting block %R in state %R",
+                             id_obj, state);
+            goto error;
+        }
+        set_field(block, self->off_state, new_state);
+        Py_INCREF(block_hash);
+        PyTuple_SET_ITEM(hashes, k, block_hash);
+        if (PyDict_DelItem(self->index, block_hash) < 0)
+            goto error;
+        set_field(block, self->off_block_hash, Py_None);
+        set_field(block, self->off_parent_hash, Py_None);
+        Py_INCREF(id_obj);
+        PyList_SET_ITEM(ids, start + k, id_obj);
+    }
+    if (add_to_field(self->counters, self->off_blocks_evicted, blocks_evicted, count) < 0)
+        goto error;
+    if (events != Py_None) {
+        PyObject *event = PyObject_CallFunctionObjArgs(self->block_removed, hashes, evicted, NULL);
+        if (event == NULL || PyList_Append(events, event) < 0) {
+            Py_XDECREF(event);
+            goto error;
+        }
+        Py_DECREF(event);
+    }
+    Py_DECREF(hashes);
+    Py_DECREF(evicted);
+    return 0;
+error:
+    Py_XDECREF(hashes);
+    Py_XDECREF(evicted);
+    return -1;
+}
+
+/* allocate(n, write, events: list | None) -> list[int] | None
  *
- * _take_free(n, external_refs=1, write) when the free queue's FREE blocks alone serve
- * it (no quarantined block waiting, no eviction, no zeroing policy "all"): the ids
- * FreeQueue.take_empty(n) returns, each block ALLOCATED (or WRITTEN by one step),
- * ref_cnt 1, one block-level reference, its generation bumped. None: nothing taken.
+ * _take_free(n, external_refs=1, write) when no quarantined block waits for reuse and
+ * the zeroing policy is not "all": the ids FreeQueue.take(n) hands out -- FREE blocks
+ * first, then cached ones in eviction order, which are EVICTed (their hashes leave the
+ * index; one BlockRemoved event in `events` unless it is None) -- each block then
+ * ALLOCATED (or WRITTEN by one step), ref_cnt 1, one block-level reference, its
+ * generation bumped. None: nothing taken (the Python path decides, or raises
+ * OutOfBlocksError).
  */
 static PyObject *
 FastPath_allocate(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "allocate(n, write)");
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "allocate(n, write, events)");
         return NULL;
     }
-    if (self->blocks == NULL || self->zero_all || !PyLong_CheckExact(args[0]))
+    PyObject *events = args[2];
+    if (self->blocks == NULL || self->zero_all || !PyLong_CheckExact(args[0]) ||
+        (events != Py_None && !PyList_CheckExact(events)))
         Py_RETURN_NONE;
     Py_ssize_t n = PyLong_AsSsize_t(args[0]);
     if (n == -1 && PyErr_Occurred()) {
@@ -288,12 +414,12 @@ FastPath_allocate(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     PyObject *empty = self->empty;
     Py_ssize_t len = PyList_GET_SIZE(empty);
-    if (n <= 0 || PyList_GET_SIZE(self->quarantined) || len < n)
-        Py_RETURN_NONE;
     long size, generation = 0;
-    if (!get_long(self->free_queue, self->off_size, &size))
+    if (n <= 0 || PyList_GET_SIZE(self->quarantined) ||
+        !get_long(self->free_queue, self->off_size, &size) || size < n)
         Py_RETURN_NONE;
-    for (Py_ssize_t k = 0; k < n; k++) {
+    Py_ssize_t from_empty = len < n ? len : n;
+    for (Py_ssize_t k = 0; k < from_empty; k++) {
         PyObject *block = block_of(self, PyList_GET_ITEM(empty, len - 1 - k));
         if (block == NULL || !get_long(block, self->off_generation, &generation))
             Py_RETURN_NONE;
@@ -301,33 +427,39 @@ FastPath_allocate(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *ids = PyList_New(n);
     if (ids == NULL)
         return NULL;
-    PyObject *one = PyLong_FromLong(1), *zero = PyLong_FromLong(0);
-    PyObject *state = write ? self->st_written_from_allocated : self->st_allocated;
-    PyObject *writers = write ? one : zero;
-    for (Py_ssize_t k = 0; k < n; k++) {
+    for (Py_ssize_t k = 0; k < from_empty; k++) {
         PyObject *id_obj = PyList_GET_ITEM(empty, len - 1 - k);
         Py_INCREF(id_obj);
         PyList_SET_ITEM(ids, k, id_obj);
-        PyObject *block = block_of(self, id_obj);
+    }
+    if (PyList_SetSlice(empty, len - from_empty, len, NULL) < 0 ||
+        add_to_field(self->free_queue, self->off_size, size, -n) < 0)
+        goto error;
+    if (from_empty < n && evict_into(self, ids, from_empty, n - from_empty, events) < 0)
+        goto error;
+    PyObject *one = PyLong_FromLong(1), *zero = PyLong_FromLong(0);
+    PyObject *state = write ? self->st_written_from_allocated : self->st_allocated;
+    PyObject *writers = write ? one : zero;
+    int failed = 0;
+    for (Py_ssize_t k = 0; k < n && !failed; k++) {
+        PyObject *block = block_of(self, PyList_GET_ITEM(ids, k));
+        if (!get_long(block, self->off_generation, &generation)) {
+            PyErr_SetString(PyExc_RuntimeError, "kvguard: a block's generation is not an int");
+            failed = 1;
+            break;
+        }
         set_field(block, self->off_state, state);
         set_field(block, self->off_ref_cnt, one);
         set_field(block, self->off_external_refs, one);
         set_field(block, self->off_writers, writers);
-        get_long(block, self->off_generation, &generation);
-        if (add_to_field(block, self->off_generation, generation, 1) < 0)
-            goto error;
+        failed = add_to_field(block, self->off_generation, generation, 1) < 0;
     }
     Py_DECREF(one);
     Py_DECREF(zero);
-    if (PyList_SetSlice(empty, len - n, len, NULL) < 0 ||
-        add_to_field(self->free_queue, self->off_size, size, -n) < 0) {
-        Py_DECREF(ids);
-        return NULL;
-    }
+    if (failed)
+        goto error;
     return ids;
 error:
-    Py_DECREF(one);
-    Py_DECREF(zero);
     Py_DECREF(ids);
     return NULL;
 }

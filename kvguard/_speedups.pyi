@@ -1,8 +1,10 @@
 from kvguard.block import Block
+from kvguard.events import BlockRemoved, PoolEvent
 from kvguard.block import PendingPublication as PendingPublication
 from kvguard.free_queue import FreeQueue
 from kvguard.hashing import BlockHash
 from kvguard.states import BlockState
+from kvguard.stats import Counters
 
 class FastPath:
     def __init__(
@@ -21,9 +23,12 @@ class FastPath:
         published: BlockState,
         stays_cached: tuple[BlockState, ...],
         acquirable: tuple[BlockState, ...],
+        evict_to: dict[BlockState, BlockState],
+        counters: Counters,
+        block_removed: type[BlockRemoved],
         zero_all: bool,
     ) -> None: ...
-    def allocate(self, n: int, write: bool) -> list[int] | None: ...
+    def allocate(self, n: int, write: bool, events: list[PoolEvent] | None) -> list[int] | None: ...
     def release(self, ids: list[int], steps_passed: bool) -> tuple[list[Block], list[Block]] | None: ...
     def validate(
         self, ids: list[int], publish: dict[int, PendingPublication] | None

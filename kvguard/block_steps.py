@@ -59,7 +59,7 @@ class BlockSteps(PoolCore):
             _check_count("num_blocks", num_blocks)
         fast = self._fast
         if fast is not None:
-            ids = fast.allocate(num_blocks, write)
+            ids = fast.allocate(num_blocks, write, self._events if self.record_events else None)
             if ids is not None:
                 return ids
         # write: ALLOCATED --WRITE--> WRITTEN for fresh, distinct, block-level-held

@@ -20,9 +20,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvguard.block import Block
+from kvguard.events import BlockRemoved
 from kvguard.free_queue import FreeQueue
 from kvguard.hashing import BlockHash
 from kvguard.states import BlockState
+from kvguard.stats import Counters
 
 if TYPE_CHECKING:
     from kvguard._speedups import FastPath
@@ -54,6 +56,8 @@ def fast_path(
     published: BlockState,
     stays_cached: Sequence[BlockState],
     acquirable: Sequence[BlockState],
+    evict_to: dict[BlockState, BlockState],
+    counters: Counters,
     zero_all: bool,
 ) -> FastPath | None:
     """The compiled fast paths over one pool's records, or None (pure Python).
@@ -61,7 +65,8 @@ def fast_path(
     The states are the pool's transitions read off its one table (the extension
     decides none itself): what allocation hands out, what a write of a fresh block
     makes, what a clean release frees to, what validation and publication lead to, the
-    states a release leaves cached and those a prefix hit leaves as they are.
+    states a release leaves cached, those a prefix hit leaves as they are and where
+    eviction takes each cached state. Evictions bump ``counters.blocks_evicted``.
     """
     if not available():
         return None
@@ -80,5 +85,8 @@ def fast_path(
         published,
         tuple(stays_cached),
         tuple(acquirable),
+        evict_to,
+        counters,
+        BlockRemoved,
         zero_all,
     )

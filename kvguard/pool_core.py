@@ -152,6 +152,8 @@ class PoolCore:
             published=_PUBLISH_FROM_VALIDATED,
             stays_cached=tuple(_STAYS_CACHED),
             acquirable=_ACQUIRABLE,
+            evict_to=_EVICT_TO,
+            counters=self._counters,
             zero_all=zero_policy is _ZERO_ALL,
         )
 
