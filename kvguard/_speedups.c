@@ -41,7 +41,7 @@ typedef struct {
     int zero_all;                      /* zero_policy ALL: every allocation queues zeroing */
     Py_ssize_t off_block_id, off_state, off_ref_cnt, off_block_hash, off_parent_hash,
         off_generation, off_external_refs, off_writers, off_pending, off_size, off_first,
-        off_num_evictable, off_blocks_evicted;
+        off_num_evictable, off_blocks_evicted, off_retention;
 } FastPath;
 
 #define FIELD(obj, off) (*(PyObject **)((char *)(obj) + (off)))
@@ -242,6 +242,7 @@ FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
     OFF(generation)
     OFF(external_refs)
     OFF(writers)
+    OFF(retention)
 #undef OFF
     if ((self->off_pending = slot_offset(block_type, "pending_publication")) < 0)
         return -1;
@@ -464,14 +465,61 @@ error:
     return NULL;
 }
 
-/* release(ids: list[int], steps_passed) -> (cached, released) | None
+/* FreeQueue.push_evictable(blocks): cached blocks whose last reference went join
+ * their retention class's eviction queue, blocks[0] to be evicted first. */
+static int
+enqueue_evictable(FastPath *self, PyObject *blocks)
+{
+    Py_ssize_t n = PyList_GET_SIZE(blocks);
+    if (n == 0)
+        return 0;
+    long size, num_evictable;
+    if (!get_long(self->free_queue, self->off_size, &size) ||
+        !get_long(self->free_queue, self->off_num_evictable, &num_evictable)) {
+        PyErr_SetString(PyExc_RuntimeError, "kvguard: free queue counters are not ints");
+        return -1;
+    }
+    PyObject *key = NULL, *bucket = NULL;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *block = PyList_GET_ITEM(blocks, k);
+        PyObject *retention = FIELD(block, self->off_retention);
+        int same = 0;
+        if (key != NULL) {
+            same = PyObject_RichCompareBool(retention, key, Py_EQ);
+            if (same < 0)
+                goto error;
+        }
+        if (!same) {
+            Py_XSETREF(bucket, PyObject_CallMethod(self->free_queue, "_class", "O", retention));
+            if (bucket == NULL)
+                goto error;
+            Py_INCREF(retention);
+            Py_XSETREF(key, retention);
+        }
+        if (PyObject_SetItem(bucket, FIELD(block, self->off_block_id), Py_None) < 0)
+            goto error;
+    }
+    Py_XDECREF(key);
+    Py_XDECREF(bucket);
+    if (add_to_field(self->free_queue, self->off_num_evictable, num_evictable, n) < 0 ||
+        add_to_field(self->free_queue, self->off_size, size, n) < 0)
+        return -1;
+    return 0;
+error:
+    Py_XDECREF(key);
+    Py_XDECREF(bucket);
+    return -1;
+}
+
+/* release(ids: list[int], steps_passed) -> list[Block] | None
  *
  * release_blocks' reference-dropping pass: one block-level reference of each id in
  * turn; a block whose last reference goes is *cached* (a state a release leaves
  * cached), *freed* (ALLOCATED, or WRITTEN with steps_passed and no publication
  * waiting: it becomes FREE and joins the free queue's FREE blocks here), or
- * *released* (anything else). Returns the cached and the released blocks, in release
- * order, for the Python path to enqueue / settle. None: some id cannot be released
+ * *released* (anything else). Cached blocks join their eviction queue here too
+ * (FreeQueue.push_evictable). Returns the released blocks, in release order, for the
+ * Python path to settle. None: some id cannot be released
  * (not an id of the pool, or no block-level reference left); every reference dropped
  * before it is restored, nothing changed, and the caller names the error.
  */
@@ -564,10 +612,10 @@ FastPath_release(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
             goto error;
     }
     Py_DECREF(freed);
-    PyObject *result = PyTuple_Pack(2, cached, released);
+    if (enqueue_evictable(self, cached) < 0)
+        goto error;
     Py_DECREF(cached);
-    Py_DECREF(released);
-    return result;
+    return released;
 error:
     Py_XDECREF(cached);
     Py_XDECREF(released);
@@ -731,7 +779,7 @@ static PyMethodDef FastPath_methods[] = {
     {"allocate", (PyCFunction)(void (*)(void))FastPath_allocate, METH_FASTCALL,
      "allocate(n, write) -> list[int] | None"},
     {"release", (PyCFunction)(void (*)(void))FastPath_release, METH_FASTCALL,
-     "release(ids, steps_passed) -> (cached, released) | None"},
+     "release(ids, steps_passed) -> list[Block] | None"},
     {"validate", (PyCFunction)(void (*)(void))FastPath_validate, METH_FASTCALL,
      "validate(ids, publish) -> (published, duplicates, held) | None"},
     {"acquire", (PyCFunction)FastPath_acquire, METH_O, "acquire(ids) -> bool"},

@@ -98,9 +98,10 @@ class BlockSteps(PoolCore):
         ids = block_ids if isinstance(block_ids, list) else list(block_ids)
         fast = self._fast
         if fast is not None:
-            split = fast.release(ids, steps_passed)
-            if split is not None:  # (freed blocks are enqueued already)
-                self._enqueue_released(*split, steps_passed)
+            left = fast.release(ids, steps_passed)
+            if left is not None:  # (freed and cached blocks are enqueued already)
+                if left:
+                    self._settle_released(left, steps_passed)
                 return
         blocks = self._blocks
         num_blocks = self.num_blocks
@@ -150,23 +151,21 @@ class BlockSteps(PoolCore):
                 block.pending_publication = None  # dies with the last holder
                 free_ids.append(block.block_id)
             self._free.push_empty(free_ids)
-        self._enqueue_released(cached, released, steps_passed)
-
-    def _enqueue_released(
-        self, cached: list[Block], released: list[Block], steps_passed: bool
-    ) -> None:
-        """The end of :meth:`release_blocks`: enqueue the blocks whose last reference
-        went that stay cached, and settle the others that are not plainly freed."""
         if cached:
             self._free.push_evictable(cached)  # RELEASE keeps them cached (a self-loop)
         if released:
-            if steps_passed:
-                # Passed, with a publication waiting: validated and published first.
-                # (Exclusive states: a WRITTEN block's only reference was just dropped.)
-                written = [block.block_id for block in released if block.state is _WRITTEN]
-                if written:
-                    self._validate_and_publish(written, None)
-            self._drop_last_refs(released, None)
+            self._settle_released(released, steps_passed)
+
+    def _settle_released(self, released: list[Block], steps_passed: bool) -> None:
+        """The end of :meth:`release_blocks` for blocks whose last reference went that
+        neither stay cached nor are plainly freed."""
+        if steps_passed:
+            # Passed, with a publication waiting: validated and published first.
+            # (Exclusive states: a WRITTEN block's only reference was just dropped.)
+            written = [block.block_id for block in released if block.state is _WRITTEN]
+            if written:
+                self._validate_and_publish(written, None)
+        self._drop_last_refs(released, None)
 
     def _count_ids(self, ids: list[int]) -> dict[int, int]:
         """How often each id is named; raises UnknownBlockError for one outside the pool."""
