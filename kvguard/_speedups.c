@@ -800,6 +800,140 @@ static PyTypeObject FastPathType = {
     .tp_methods = FastPath_methods,
 };
 
+/* FillNotes: the vLLM adapter's noting of the blocks a step being scheduled fills.
+ *
+ * GuardedBlockPool.cache_full_blocks (kvguard/adapters/vllm/block_pool.py) does not
+ * publish a full block while the step that fills it is being scheduled: it notes the
+ * block as filled by that step and the publication it is due, (key, parent key,
+ * owner), for the step's output to validate. note() does that loop for the common
+ * case -- every block in the range still WRITTEN (being written by the step), no block
+ * mask, no KV events -- with exactly the Python loop's effects, or changes nothing and
+ * returns None (the Python loop runs).
+ */
+typedef struct {
+    PyObject_HEAD
+    PyTypeObject *block_type;
+    PyObject *written;
+    Py_ssize_t off_block_id, off_state, off_num_hash_tokens;
+} FillNotes;
+
+static void
+FillNotes_dealloc(FillNotes *self)
+{
+    Py_CLEAR(self->block_type);
+    Py_CLEAR(self->written);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int
+FillNotes_init(FillNotes *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"block_type", "written", NULL};
+    PyObject *block_type, *written;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O", kwlist, &PyType_Type, &block_type,
+                                     &written))
+        return -1;
+    if ((self->off_block_id = slot_offset(block_type, "block_id")) < 0 ||
+        (self->off_state = slot_offset(block_type, "state")) < 0 ||
+        (self->off_num_hash_tokens = slot_offset(block_type, "num_hash_tokens")) < 0)
+        return -1;
+    Py_INCREF(block_type);
+    Py_XSETREF(self->block_type, (PyTypeObject *)block_type);
+    Py_INCREF(written);
+    Py_XSETREF(self->written, written);
+    return 0;
+}
+
+/* note(blocks, hashes, start, stop, suffix, parent, owner, block_size, publications,
+ *      filled) -> bool
+ *
+ * For i in range(start, stop): key = hashes[i] + suffix; blocks[i].num_hash_tokens =
+ * (i + 1) * block_size; filled.append(blocks[i].block_id); publications[block_id] =
+ * (key, parent, owner); parent = key. False, nothing changed: a block in the range is
+ * not WRITTEN (or not a record of this type), a list is too short, or a hash is not
+ * bytes. */
+static PyObject *
+FillNotes_note(FillNotes *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError,
+                        "note(blocks, hashes, start, stop, suffix, parent, owner, block_size, "
+                        "publications, filled)");
+        return NULL;
+    }
+    PyObject *blocks = args[0], *hashes = args[1], *suffix = args[4], *parent = args[5],
+             *owner = args[6], *publications = args[8], *filled = args[9];
+    if (self->block_type == NULL || !PyList_CheckExact(blocks) || !PyList_CheckExact(hashes) ||
+        !PyBytes_CheckExact(suffix) || !PyDict_CheckExact(publications) ||
+        !PyList_CheckExact(filled) || !PyLong_CheckExact(args[2]) ||
+        !PyLong_CheckExact(args[3]) || !PyLong_CheckExact(args[7]))
+        Py_RETURN_FALSE;
+    Py_ssize_t start = PyLong_AsSsize_t(args[2]), stop = PyLong_AsSsize_t(args[3]);
+    long block_size = PyLong_AsLong(args[7]);
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        Py_RETURN_FALSE;
+    }
+    if (start < 0 || stop < start || stop > PyList_GET_SIZE(blocks) ||
+        stop > PyList_GET_SIZE(hashes) || block_size <= 0)
+        Py_RETURN_FALSE;
+    for (Py_ssize_t i = start; i < stop; i++) {
+        PyObject *block = PyList_GET_ITEM(blocks, i);
+        if (Py_TYPE(block) != self->block_type || FIELD(block, self->off_state) != self->written ||
+            !PyBytes_CheckExact(PyList_GET_ITEM(hashes, i)))
+            Py_RETURN_FALSE;
+    }
+    Py_INCREF(parent);
+    for (Py_ssize_t i = start; i < stop; i++) {
+        PyObject *block = PyList_GET_ITEM(blocks, i);
+        PyObject *key = PyBytes_FromStringAndSize(NULL, PyBytes_GET_SIZE(PyList_GET_ITEM(hashes, i)) +
+                                                            PyBytes_GET_SIZE(suffix));
+        if (key == NULL)
+            goto error;
+        PyObject *block_hash = PyList_GET_ITEM(hashes, i);
+        memcpy(PyBytes_AS_STRING(key), PyBytes_AS_STRING(block_hash), PyBytes_GET_SIZE(block_hash));
+        memcpy(PyBytes_AS_STRING(key) + PyBytes_GET_SIZE(block_hash), PyBytes_AS_STRING(suffix),
+               PyBytes_GET_SIZE(suffix));
+        PyObject *num_tokens = PyLong_FromLong((long)(i + 1) * block_size);
+        PyObject *publication = num_tokens ? PyTuple_Pack(3, key, parent, owner) : NULL;
+        PyObject *block_id = FIELD(block, self->off_block_id);
+        if (publication == NULL || block_id == NULL || PyList_Append(filled, block_id) < 0 ||
+            PyDict_SetItem(publications, block_id, publication) < 0) {
+            Py_XDECREF(num_tokens);
+            Py_XDECREF(publication);
+            Py_DECREF(key);
+            goto error;
+        }
+        put_field(block, self->off_num_hash_tokens, num_tokens);
+        Py_DECREF(publication);
+        Py_SETREF(parent, key);
+    }
+    Py_DECREF(parent);
+    Py_RETURN_TRUE;
+error:
+    Py_DECREF(parent);
+    return NULL;
+}
+
+static PyMethodDef FillNotes_methods[] = {
+    {"note", (PyCFunction)(void (*)(void))FillNotes_note, METH_FASTCALL,
+     "note(blocks, hashes, start, stop, suffix, parent, owner, block_size, publications, "
+     "filled) -> bool"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject FillNotesType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvguard._speedups.FillNotes",
+    .tp_doc = "The vLLM adapter's noting of filled blocks, compiled (see note()).",
+    .tp_basicsize = sizeof(FillNotes),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)FillNotes_init,
+    .tp_dealloc = (destructor)FillNotes_dealloc,
+    .tp_methods = FillNotes_methods,
+};
+
 static struct PyModuleDef speedups_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "kvguard._speedups",
@@ -810,7 +944,7 @@ static struct PyModuleDef speedups_module = {
 PyMODINIT_FUNC
 PyInit__speedups(void)
 {
-    if (PyType_Ready(&FastPathType) < 0)
+    if (PyType_Ready(&FastPathType) < 0 || PyType_Ready(&FillNotesType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&speedups_module);
     if (m == NULL)
@@ -818,6 +952,12 @@ PyInit__speedups(void)
     Py_INCREF(&FastPathType);
     if (PyModule_AddObject(m, "FastPath", (PyObject *)&FastPathType) < 0) {
         Py_DECREF(&FastPathType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&FillNotesType);
+    if (PyModule_AddObject(m, "FillNotes", (PyObject *)&FillNotesType) < 0) {
+        Py_DECREF(&FillNotesType);
         Py_DECREF(m);
         return NULL;
     }

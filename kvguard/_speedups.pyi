@@ -1,3 +1,5 @@
+from typing import Any
+
 from kvguard.block import Block
 from kvguard.events import BlockRemoved, PoolEvent
 from kvguard.block import PendingPublication as PendingPublication
@@ -34,3 +36,19 @@ class FastPath:
         self, ids: list[int], publish: dict[int, PendingPublication] | None
     ) -> tuple[list[int], list[int], int] | None: ...
     def acquire(self, ids: list[int]) -> bool: ...
+
+class FillNotes:
+    def __init__(self, block_type: type[Block], written: BlockState) -> None: ...
+    def note(
+        self,
+        blocks: list[Any],
+        hashes: list[bytes],
+        start: int,
+        stop: int,
+        suffix: bytes,
+        parent: bytes | None,
+        owner: str,
+        block_size: int,
+        publications: dict[int, PendingPublication],
+        filled: list[int],
+    ) -> bool: ...

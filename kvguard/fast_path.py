@@ -27,7 +27,7 @@ from kvguard.states import BlockState
 from kvguard.stats import Counters
 
 if TYPE_CHECKING:
-    from kvguard._speedups import FastPath
+    from kvguard._speedups import FastPath, FillNotes
 
 try:
     from kvguard import _speedups
@@ -90,3 +90,14 @@ def fast_path(
         BlockRemoved,
         zero_all,
     )
+
+
+def fill_notes(block_type: type[Block], written: BlockState) -> FillNotes | None:
+    """The vLLM adapter's noting of filled blocks, compiled, or None (pure Python).
+
+    ``block_type`` must have a ``num_hash_tokens`` slot (the adapter's block record);
+    ``written`` is the state of a block a step being scheduled writes.
+    """
+    if not available():
+        return None
+    return _speedups.FillNotes(block_type, written)

@@ -31,9 +31,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from kvguard.adapters.vllm._compat import require_supported_vllm
+
+if TYPE_CHECKING:
+    from kvguard._speedups import FillNotes
 
 require_supported_vllm()
 
@@ -51,6 +54,7 @@ from vllm.v1.core.kv_cache_utils import (  # noqa: E402
 from kvguard.block import PendingPublication  # noqa: E402
 from kvguard.errors import IllegalTransitionError, OutOfBlocksError  # noqa: E402
 from kvguard.events import BlockRemoved as CoreBlockRemoved  # noqa: E402
+from kvguard.fast_path import fill_notes  # noqa: E402
 from kvguard.hashing import BlockHash  # noqa: E402
 from kvguard.pool import BlockPool as KvGuardPool  # noqa: E402
 from kvguard.results import BlockValidation  # noqa: E402
@@ -112,6 +116,7 @@ class GuardedBlockPool(BlockPool):
         )
         self.guard = guard if guard is not None else GuardConfig(enabled=False)
         self.core: KvGuardPool | None = None
+        self._fill_notes: FillNotes | None = None
         # With vLLM's KV events on: block id -> (request, block index, block size,
         # group) of a publication waiting for its step, to build vLLM's BlockStored
         # event from vLLM's request once kvguard publishes the block.
@@ -165,6 +170,8 @@ class GuardedBlockPool(BlockPool):
         self.null_block = self.blocks[null_id]
         self.null_block.is_null = True
         assert null_id == 0, "null block must be block 0"
+        # The noting loop of cache_full_blocks in C, when kvguard's extension is built.
+        self._fill_notes = fill_notes(GuardedKVCacheBlock, _WRITTEN)
         self.get_num_free_blocks = core.get_num_free_blocks
         self._cached_block_id = core.prefix_index.get
         self.free_block_queue = _FreeQueueOwnedByKvGuard()
@@ -275,6 +282,66 @@ class GuardedBlockPool(BlockPool):
         events = self.enable_kv_cache_events
         filled: list[int] = []
         publications = self._publications
+        notes = self._fill_notes
+        if not (
+            notes is not None
+            and block_mask is None
+            and not events
+            and notes.note(
+                blocks,
+                hashes,
+                num_cached_blocks,
+                num_full_blocks,
+                suffix,
+                parent,
+                owner,
+                block_size,
+                publications,
+                filled,
+            )
+        ):
+            # Not the common case (every block WRITTEN by the step being scheduled, no
+            # mask, no KV events), or no compiled noting: the loop below.
+            self._note_fills(
+                request,
+                blocks,
+                hashes,
+                num_cached_blocks,
+                num_full_blocks,
+                block_size,
+                kv_cache_group_id,
+                block_mask,
+                suffix,
+                parent,
+                filled,
+            )
+        if filled:
+            settle = self.settle_fills
+            if settle is not None and settle(owner, num_full_blocks * block_size):
+                self.validate_step(filled, {b: publications.pop(b) for b in filled})
+            else:
+                self._fills.setdefault(owner, []).extend(filled)
+
+    def _note_fills(
+        self,
+        request: Any,
+        blocks: list[KVCacheBlock],
+        hashes: Any,
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+        block_mask: list[bool] | None,
+        suffix: bytes,
+        parent: BlockHash | None,
+        filled: list[int],
+    ) -> None:
+        """Note each block of ``blocks[num_cached_blocks:num_full_blocks]`` the step
+        being scheduled fills (appended to ``filled``, its publication held back);
+        publish at once those no step in flight writes."""
+        owner = request.request_id
+        events = self.enable_kv_cache_events
+        publications = self._publications
         i = num_cached_blocks
         for block, block_hash in zip(
             blocks[num_cached_blocks:num_full_blocks],
@@ -295,12 +362,6 @@ class GuardedBlockPool(BlockPool):
                     self._publish_now(block, key, parent, request, i, block_size, kv_cache_group_id)
             parent = key
             i += 1
-        if filled:
-            settle = self.settle_fills
-            if settle is not None and settle(owner, num_full_blocks * block_size):
-                self.validate_step(filled, {b: publications.pop(b) for b in filled})
-            else:
-                self._fills.setdefault(owner, []).extend(filled)
 
     def _publish_now(
         self,
