@@ -1,8 +1,8 @@
 from typing import Any
 
 from kvguard.block import Block
-from kvguard.events import BlockRemoved, PoolEvent
 from kvguard.block import PendingPublication as PendingPublication
+from kvguard.events import BlockRemoved, PoolEvent
 from kvguard.free_queue import FreeQueue
 from kvguard.hashing import BlockHash
 from kvguard.states import BlockState

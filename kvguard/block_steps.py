@@ -260,9 +260,9 @@ class BlockSteps(PoolCore):
         fast = self._fast
         if fast is not None and not self.record_events:
             # The usual case (distinct blocks, each written by this step alone), in C.
-            done = fast.validate(ids, publish if publish else None)  # type: ignore[arg-type]
-            if done is not None:
-                published, duplicates, num_held = done
+            applied = fast.validate(ids, publish if publish else None)  # type: ignore[arg-type]
+            if applied is not None:
+                published, duplicates, num_held = applied
                 if num_held:
                     self._counters.withheld_publications += num_held
                 if published:

@@ -1,6 +1,7 @@
 """``GuardedBlockPool``'s own calls, as vLLM's managers make them: the null block and
-blocks of another pool are routed as vLLM's own pool routes them, and a double free
-changes nothing."""
+blocks of another pool are routed as vLLM's own pool routes them, a double free
+changes nothing, and the compiled noting of filled blocks notes what the Python loop
+does."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ pytest.importorskip("vllm")
 
 from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 
-from kvguard import BlockHash, BlockState, DoubleFreeError  # noqa: E402
+from kvguard import BlockHash, BlockState, DoubleFreeError, fast_path  # noqa: E402
 from kvguard.adapters.vllm.block_pool import GuardedBlockPool  # noqa: E402
 from kvguard.adapters.vllm.config import GuardConfig  # noqa: E402
+from kvguard.block import PendingPublication  # noqa: E402
+
+from .harness import BLOCK, make_request  # noqa: E402
 
 GUARD = GuardConfig(enabled=True, check_invariants=True)
 
@@ -90,3 +94,61 @@ def test_touch_takes_references_on_hits_but_not_on_the_null_block() -> None:
     assert block.ref_cnt == 1
     assert pool.null_block.ref_cnt == null_refs
     pool.check_consistency()
+
+
+def _noted(
+    compiled: bool, num_cached: int, publish_first: bool
+) -> tuple[dict[str, list[int]], dict[int, PendingPublication], list[object], object]:
+    """What ``cache_full_blocks`` notes for 5 full blocks of a request, with the
+    compiled noting loop or the Python one."""
+    pool = GuardedBlockPool(16, True, BLOCK, guard=GUARD)
+    if not compiled:
+        pool._fill_notes = None
+    request = make_request("r", list(range(5 * BLOCK)))
+    blocks = pool.get_new_blocks(5)
+    core = pool.core
+    assert core is not None
+    if publish_first:
+        # A block no step in flight writes (e.g. loaded by a connector and vouched
+        # for): published at once, which the compiled loop leaves to the Python one.
+        core.validate_blocks([blocks[3].block_id])
+    pool.cache_full_blocks(request, blocks, num_cached, 5, BLOCK, 1)
+    fills, publications = pool.take_step_fills()
+    pool.check_consistency()
+    return (
+        fills,
+        publications,
+        [(b.state, b.num_hash_tokens, b.block_hash) for b in blocks],
+        core.snapshot(),
+    )
+
+
+@pytest.mark.parametrize("publish_first", [False, True])
+@pytest.mark.parametrize("num_cached", [0, 2])
+def test_compiled_fill_noting_notes_what_the_python_loop_notes(
+    num_cached: int, publish_first: bool
+) -> None:
+    if not fast_path.available():
+        pytest.skip("kvguard._speedups is not built")
+    assert GuardedBlockPool(16, True, BLOCK, guard=GUARD)._fill_notes is not None
+    compiled = _noted(True, num_cached, publish_first)
+    assert compiled == _noted(False, num_cached, publish_first)
+    fills, publications = compiled[:2]
+    assert fills == {"r": list(publications)}
+    assert len(publications) == 5 - num_cached - publish_first
+
+
+def test_compiled_fill_noting_with_hashes_missing_fails_as_the_python_loop() -> None:
+    """Fewer block hashes than full blocks (vLLM's contract broken): the compiled loop
+    notes nothing and leaves it to the Python loop, whose strict zip raises."""
+    noted = []
+    for compiled in (True, False):
+        pool = GuardedBlockPool(16, True, BLOCK, guard=GUARD)
+        if not compiled:
+            pool._fill_notes = None
+        request = make_request("r", list(range(3 * BLOCK)))
+        blocks = pool.get_new_blocks(4)
+        with pytest.raises(ValueError, match="zip"):
+            pool.cache_full_blocks(request, blocks, 0, 4, BLOCK, 0)
+        noted.append((pool.take_step_fills(), [b.num_hash_tokens for b in blocks]))
+    assert noted[0] == noted[1]
