@@ -131,10 +131,16 @@ class GuardedBlockPool(BlockPool):
         self.freeing_clean_request = False
         # Set by the guarded scheduler while vLLM processes a step's output: blocks
         # vLLM caches then (under async scheduling, those whose last token just became
-        # known) are validated at once when this says every write into them reported
-        # clean -- (request id, tokens the blocks cover) -> bool -- instead of waiting
-        # for a step that will never name them.
+        # known; with draft tokens, those accepted drafts filled) are validated with
+        # that output when this says every write into them reported clean -- (request
+        # id, tokens the blocks cover) -> bool -- instead of waiting for a step that
+        # will never name them.
         self.settle_fills: Callable[[str, int], bool] | None = None
+        # Blocks settle_fills vouched for, and their publications: validated together
+        # by flush_settled() -- before any block is freed, and when the output is
+        # processed -- in one call instead of one per request.
+        self._settled: list[int] = []
+        self._settled_publications: dict[int, PendingPublication] = {}
         # Set by the guarded scheduler while vLLM frees blocks of a running request's
         # window, local chunk or R-SWA gap (``remove_skipped_blocks``): the request,
         # and what free_blocks asks about the blocks it frees before releasing them
@@ -214,6 +220,14 @@ class GuardedBlockPool(BlockPool):
                     if pending is not None:
                         self._emit_block_stored(blocks[block_id], *pending)
         return result
+
+    def flush_settled(self) -> None:
+        """Validate and publish the blocks cached while an output was processed whose
+        every write reported clean (``settle_fills``), noted since the last call."""
+        if self._settled:
+            ids, publications = self._settled, self._settled_publications
+            self._settled, self._settled_publications = [], {}
+            self.validate_step(ids, publications)
 
     def fail_step(self, block_ids: Iterable[int]) -> tuple[int, ...]:
         """The step failed (or can never be validated): quarantine what it wrote."""
@@ -318,7 +332,10 @@ class GuardedBlockPool(BlockPool):
         if filled:
             settle = self.settle_fills
             if settle is not None and settle(owner, num_full_blocks * block_size):
-                self.validate_step(filled, {b: publications.pop(b) for b in filled})
+                self._settled += filled
+                settled = self._settled_publications
+                for block_id in filled:
+                    settled[block_id] = publications.pop(block_id)
             else:
                 self._fills.setdefault(owner, []).extend(filled)
 
@@ -476,6 +493,8 @@ class GuardedBlockPool(BlockPool):
         if core is None:
             super().free_blocks(ordered_blocks)
             return
+        if self._settled:
+            self.flush_settled()  # a block vouched for is validated before it is freed
         released = ordered_blocks if isinstance(ordered_blocks, list) else list(ordered_blocks)
         ids = [block.block_id for block in released if block.pool is self and not block.is_null]
         other_pools: dict[Any, list[KVCacheBlock]] = {}
@@ -575,7 +594,7 @@ class GuardedBlockPool(BlockPool):
         assert self.null_block is self.blocks[0] and self.null_block.is_null
         assert not any(block.is_null for block in self.blocks[1:]), "a second null block"
         assert self.null_block.state is BlockState.ALLOCATED and self.null_block.ref_cnt >= 1
-        for block_id in (*self._publications, *self._deferred):
+        for block_id in (*self._publications, *self._settled_publications, *self._deferred):
             state = self.blocks[block_id].state
             assert state is _WRITTEN, f"block {block_id} held for publication is {state.name}"
 

@@ -372,6 +372,7 @@ class _GuardMixin:
             )
         finally:
             pool.settle_fills = None
+            pool.flush_settled()
         if pool.has_step_fills():
             self._kvguard_carry_late_fills()
         for request in aborted:
