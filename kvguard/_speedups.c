@@ -38,10 +38,12 @@ typedef struct {
     PyObject *evict_to;                /* dict: cached state -> its state after EVICT */
     PyObject *counters;                /* kvguard.stats.Counters */
     PyObject *block_removed;           /* kvguard.events.BlockRemoved */
+    PyObject *zero_blocks;             /* the zero queue's dict of block ids */
     int zero_all;                      /* zero_policy ALL: every allocation queues zeroing */
+    int zero_suspect;                  /* zero_policy SUSPECT: reused quarantined blocks do */
     Py_ssize_t off_block_id, off_state, off_ref_cnt, off_block_hash, off_parent_hash,
         off_generation, off_external_refs, off_writers, off_pending, off_size, off_first,
-        off_num_evictable, off_blocks_evicted, off_retention;
+        off_num_evictable, off_blocks_evicted, off_blocks_zeroed, off_retention;
 } FastPath;
 
 #define FIELD(obj, off) (*(PyObject **)((char *)(obj) + (off)))
@@ -167,6 +169,7 @@ FastPath_dealloc(FastPath *self)
     Py_CLEAR(self->evict_to);
     Py_CLEAR(self->counters);
     Py_CLEAR(self->block_removed);
+    Py_CLEAR(self->zero_blocks);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -185,6 +188,7 @@ FastPath_traverse(FastPath *self, visitproc visit, void *arg)
     Py_VISIT(self->evict_to);
     Py_VISIT(self->counters);
     Py_VISIT(self->block_removed);
+    Py_VISIT(self->zero_blocks);
     return 0;
 }
 
@@ -198,6 +202,7 @@ FastPath_clear(FastPath *self)
     Py_CLEAR(self->index);
     Py_CLEAR(self->remove_evictable);
     Py_CLEAR(self->counters);
+    Py_CLEAR(self->zero_blocks);
     return 0;
 }
 
@@ -207,17 +212,20 @@ FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
     static char *kwlist[] = {"block_type", "blocks", "free_queue", "empty", "quarantined",
                              "index", "allocated", "written_from_allocated", "written",
                              "free", "validated", "published", "stays_cached", "acquirable",
-                             "evict_to", "counters", "block_removed", "zero_all", NULL};
+                             "evict_to", "counters", "block_removed", "zero_blocks",
+                             "zero_all", "zero_suspect", NULL};
     PyObject *block_type, *blocks, *free_queue, *empty, *quarantined, *index;
     PyObject *st[6], *stays_cached, *acquirable, *evict_to, *counters, *block_removed;
-    int zero_all;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!OO!O!O!OOOOOOO!O!O!OOp", kwlist,
+    PyObject *zero_blocks;
+    int zero_all, zero_suspect;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!OO!O!O!OOOOOOO!O!O!OOO!pp", kwlist,
                                      &PyType_Type, &block_type, &PyList_Type, &blocks,
                                      &free_queue, &PyList_Type, &empty, &PyList_Type,
                                      &quarantined, &PyDict_Type, &index, &st[0], &st[1], &st[2],
                                      &st[3], &st[4], &st[5], &PyTuple_Type, &stays_cached,
                                      &PyTuple_Type, &acquirable, &PyDict_Type, &evict_to,
-                                     &counters, &block_removed, &zero_all))
+                                     &counters, &block_removed, &PyDict_Type, &zero_blocks,
+                                     &zero_all, &zero_suspect))
         return -1;
     if (!PyList_CheckExact(blocks) || !PyList_CheckExact(empty) ||
         !PyList_CheckExact(quarantined) || !PyDict_CheckExact(index)) {
@@ -251,7 +259,9 @@ FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
         (self->off_first = slot_offset(queue_type, "_first")) < 0 ||
         (self->off_num_evictable = slot_offset(queue_type, "_num_evictable")) < 0 ||
         (self->off_blocks_evicted =
-             slot_offset((PyObject *)Py_TYPE(counters), "blocks_evicted")) < 0)
+             slot_offset((PyObject *)Py_TYPE(counters), "blocks_evicted")) < 0 ||
+        (self->off_blocks_zeroed =
+             slot_offset((PyObject *)Py_TYPE(counters), "blocks_zeroed")) < 0)
         return -1;
     PyObject *remove = PyObject_GetAttrString(free_queue, "remove_evictable");
     if (remove == NULL)
@@ -278,8 +288,10 @@ FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
     KEEP(evict_to, evict_to)
     KEEP(counters, counters)
     KEEP(block_removed, block_removed)
+    KEEP(zero_blocks, zero_blocks)
 #undef KEEP
     self->zero_all = zero_all;
+    self->zero_suspect = zero_suspect;
     return 0;
 }
 
@@ -384,15 +396,44 @@ error:
     return -1;
 }
 
+/* Move the last `count` ids of `from` into ids[start:], last one first (as FreeQueue
+ * hands them out: ids = from[-count:]; del from[-count:]; ids.reverse()). */
+static int
+take_tail(PyObject *from, Py_ssize_t count, PyObject *ids, Py_ssize_t start)
+{
+    Py_ssize_t len = PyList_GET_SIZE(from);
+    for (Py_ssize_t k = 0; k < count; k++) {
+        PyObject *id_obj = PyList_GET_ITEM(from, len - 1 - k);
+        Py_INCREF(id_obj);
+        PyList_SET_ITEM(ids, start + k, id_obj);
+    }
+    return PyList_SetSlice(from, len - count, len, NULL);
+}
+
+/* Whether the last `count` ids of `from` all name blocks of the pool whose generation
+ * is a plain int (so that handing them out cannot stop half-way). */
+static int
+tail_is_sound(FastPath *self, PyObject *from, Py_ssize_t count)
+{
+    Py_ssize_t len = PyList_GET_SIZE(from);
+    long generation;
+    for (Py_ssize_t k = 0; k < count; k++) {
+        PyObject *block = block_of(self, PyList_GET_ITEM(from, len - 1 - k));
+        if (block == NULL || !get_long(block, self->off_generation, &generation))
+            return 0;
+    }
+    return 1;
+}
+
 /* allocate(n, write, events: list | None) -> list[int] | None
  *
- * _take_free(n, external_refs=1, write) when no quarantined block waits for reuse and
- * the zeroing policy is not "all": the ids FreeQueue.take(n) hands out -- FREE blocks
- * first, then cached ones in eviction order, which are EVICTed (their hashes leave the
- * index; one BlockRemoved event in `events` unless it is None) -- each block then
- * ALLOCATED (or WRITTEN by one step), ref_cnt 1, one block-level reference, its
- * generation bumped. None: nothing taken (the Python path decides, or raises
- * OutOfBlocksError).
+ * _take_free(n, external_refs=1, write) unless the zeroing policy is "all": the ids
+ * FreeQueue.take(n) hands out -- quarantined blocks first (queued for zeroing under
+ * the "suspect" policy), then FREE ones, then cached ones in eviction order, which are
+ * EVICTed (their hashes leave the index; one BlockRemoved event in `events` unless it
+ * is None) -- each block then ALLOCATED (or WRITTEN by one step), ref_cnt 1, one
+ * block-level reference, its generation bumped. None: nothing taken (the Python path
+ * decides, or raises OutOfBlocksError).
  */
 static PyObject *
 FastPath_allocate(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
@@ -413,30 +454,38 @@ FastPath_allocate(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
     int write = PyObject_IsTrue(args[1]);
     if (write < 0)
         return NULL;
-    PyObject *empty = self->empty;
-    Py_ssize_t len = PyList_GET_SIZE(empty);
-    long size, generation = 0;
-    if (n <= 0 || PyList_GET_SIZE(self->quarantined) ||
-        !get_long(self->free_queue, self->off_size, &size) || size < n)
+    long size, generation = 0, blocks_zeroed = 0;
+    if (n <= 0 || !get_long(self->free_queue, self->off_size, &size) || size < n)
         Py_RETURN_NONE;
-    Py_ssize_t from_empty = len < n ? len : n;
-    for (Py_ssize_t k = 0; k < from_empty; k++) {
-        PyObject *block = block_of(self, PyList_GET_ITEM(empty, len - 1 - k));
-        if (block == NULL || !get_long(block, self->off_generation, &generation))
-            Py_RETURN_NONE;
-    }
+    Py_ssize_t num_quarantined = PyList_GET_SIZE(self->quarantined);
+    if (num_quarantined > n)
+        num_quarantined = n;
+    Py_ssize_t num_empty = PyList_GET_SIZE(self->empty);
+    if (num_empty > n - num_quarantined)
+        num_empty = n - num_quarantined;
+    if (!tail_is_sound(self, self->quarantined, num_quarantined) ||
+        !tail_is_sound(self, self->empty, num_empty) ||
+        (num_quarantined && self->zero_suspect &&
+         !get_long(self->counters, self->off_blocks_zeroed, &blocks_zeroed)))
+        Py_RETURN_NONE;
     PyObject *ids = PyList_New(n);
     if (ids == NULL)
         return NULL;
-    for (Py_ssize_t k = 0; k < from_empty; k++) {
-        PyObject *id_obj = PyList_GET_ITEM(empty, len - 1 - k);
-        Py_INCREF(id_obj);
-        PyList_SET_ITEM(ids, k, id_obj);
-    }
-    if (PyList_SetSlice(empty, len - from_empty, len, NULL) < 0 ||
+    if (take_tail(self->quarantined, num_quarantined, ids, 0) < 0 ||
+        take_tail(self->empty, num_empty, ids, num_quarantined) < 0 ||
         add_to_field(self->free_queue, self->off_size, size, -n) < 0)
         goto error;
-    if (from_empty < n && evict_into(self, ids, from_empty, n - from_empty, events) < 0)
+    if (num_quarantined && self->zero_suspect) {
+        /* Suspect bytes: the engine zeroes them before the new owner's step runs. */
+        for (Py_ssize_t k = 0; k < num_quarantined; k++)
+            if (PyDict_SetItem(self->zero_blocks, PyList_GET_ITEM(ids, k), Py_None) < 0)
+                goto error;
+        if (add_to_field(self->counters, self->off_blocks_zeroed, blocks_zeroed,
+                         num_quarantined) < 0)
+            goto error;
+    }
+    Py_ssize_t taken = num_quarantined + num_empty;
+    if (taken < n && evict_into(self, ids, taken, n - taken, events) < 0)
         goto error;
     PyObject *one = PyLong_FromLong(1), *zero = PyLong_FromLong(0);
     PyObject *state = write ? self->st_written_from_allocated : self->st_allocated;
@@ -777,7 +826,7 @@ FastPath_acquire(FastPath *self, PyObject *ids)
 
 static PyMethodDef FastPath_methods[] = {
     {"allocate", (PyCFunction)(void (*)(void))FastPath_allocate, METH_FASTCALL,
-     "allocate(n, write) -> list[int] | None"},
+     "allocate(n, write, events) -> list[int] | None"},
     {"release", (PyCFunction)(void (*)(void))FastPath_release, METH_FASTCALL,
      "release(ids, steps_passed) -> list[Block] | None"},
     {"validate", (PyCFunction)(void (*)(void))FastPath_validate, METH_FASTCALL,

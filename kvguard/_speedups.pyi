@@ -28,7 +28,9 @@ class FastPath:
         evict_to: dict[BlockState, BlockState],
         counters: Counters,
         block_removed: type[BlockRemoved],
+        zero_blocks: dict[int, None],
         zero_all: bool,
+        zero_suspect: bool,
     ) -> None: ...
     def allocate(self, n: int, write: bool, events: list[PoolEvent] | None) -> list[int] | None: ...
     def release(self, ids: list[int], steps_passed: bool) -> list[Block] | None: ...

@@ -58,7 +58,9 @@ def fast_path(
     acquirable: Sequence[BlockState],
     evict_to: dict[BlockState, BlockState],
     counters: Counters,
+    zero_blocks: dict[int, None],
     zero_all: bool,
+    zero_suspect: bool,
 ) -> FastPath | None:
     """The compiled fast paths over one pool's records, or None (pure Python).
 
@@ -66,7 +68,10 @@ def fast_path(
     decides none itself): what allocation hands out, what a write of a fresh block
     makes, what a clean release frees to, what validation and publication lead to, the
     states a release leaves cached, those a prefix hit leaves as they are and where
-    eviction takes each cached state. Evictions bump ``counters.blocks_evicted``.
+    eviction takes each cached state. Evictions bump ``counters.blocks_evicted``;
+    ``zero_blocks`` is the zero queue's set of block ids (``zero_suspect``: reused
+    quarantined blocks join it, bumping ``counters.blocks_zeroed``; ``zero_all``: every
+    allocation takes the Python path).
     """
     if not available():
         return None
@@ -88,7 +93,9 @@ def fast_path(
         evict_to,
         counters,
         BlockRemoved,
+        zero_blocks,
         zero_all,
+        zero_suspect,
     )
 
 

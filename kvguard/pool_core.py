@@ -154,7 +154,9 @@ class PoolCore:
             acquirable=_ACQUIRABLE,
             evict_to=_EVICT_TO,
             counters=self._counters,
+            zero_blocks=self._zero._blocks,  # the zero queue's own dict, filled in place
             zero_all=zero_policy is _ZERO_ALL,
+            zero_suspect=zero_policy is _ZERO_SUSPECT,
         )
 
     def _move(self, block: Block, event: BlockEvent) -> None:
