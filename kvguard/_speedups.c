@@ -33,6 +33,7 @@ typedef struct {
     PyObject *st_free;
     PyObject *st_validated;            /* WRITTEN --VALIDATE--> */
     PyObject *st_published;            /* VALIDATED --PUBLISH--> */
+    PyObject *st_quarantined;          /* WRITTEN --RELEASE--> (and its own RELEASE) */
     PyObject *stays_cached;            /* tuple: states a release leaves cached */
     PyObject *acquirable;              /* tuple: states ACQUIRE leaves as they are */
     PyObject *evict_to;                /* dict: cached state -> its state after EVICT */
@@ -43,7 +44,8 @@ typedef struct {
     int zero_suspect;                  /* zero_policy SUSPECT: reused quarantined blocks do */
     Py_ssize_t off_block_id, off_state, off_ref_cnt, off_block_hash, off_parent_hash,
         off_generation, off_external_refs, off_writers, off_pending, off_size, off_first,
-        off_num_evictable, off_blocks_evicted, off_blocks_zeroed, off_retention;
+        off_num_evictable, off_blocks_evicted, off_blocks_zeroed, off_blocks_quarantined,
+        off_retention;
 } FastPath;
 
 #define FIELD(obj, off) (*(PyObject **)((char *)(obj) + (off)))
@@ -93,6 +95,18 @@ add_to_field(PyObject *obj, Py_ssize_t off, long value, long delta)
         return -1;
     put_field(obj, off, v);
     return 0;
+}
+
+/* obj.<slot at off> += delta for a slot holding an int (RuntimeError otherwise). */
+static int
+bump_field(PyObject *obj, Py_ssize_t off, long delta)
+{
+    long value;
+    if (!get_long(obj, off, &value)) {
+        PyErr_SetString(PyExc_RuntimeError, "kvguard: a counter is not an int");
+        return -1;
+    }
+    return add_to_field(obj, off, value, delta);
 }
 
 /* The block record with this id, or NULL (no error set) when id_obj is not an exact
@@ -164,6 +178,7 @@ FastPath_dealloc(FastPath *self)
     Py_CLEAR(self->st_free);
     Py_CLEAR(self->st_validated);
     Py_CLEAR(self->st_published);
+    Py_CLEAR(self->st_quarantined);
     Py_CLEAR(self->stays_cached);
     Py_CLEAR(self->acquirable);
     Py_CLEAR(self->evict_to);
@@ -211,18 +226,19 @@ FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"block_type", "blocks", "free_queue", "empty", "quarantined",
                              "index", "allocated", "written_from_allocated", "written",
-                             "free", "validated", "published", "stays_cached", "acquirable",
+                             "free", "validated", "published", "quarantined_state",
+                             "stays_cached", "acquirable",
                              "evict_to", "counters", "block_removed", "zero_blocks",
                              "zero_all", "zero_suspect", NULL};
     PyObject *block_type, *blocks, *free_queue, *empty, *quarantined, *index;
-    PyObject *st[6], *stays_cached, *acquirable, *evict_to, *counters, *block_removed;
+    PyObject *st[7], *stays_cached, *acquirable, *evict_to, *counters, *block_removed;
     PyObject *zero_blocks;
     int zero_all, zero_suspect;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!OO!O!O!OOOOOOO!O!O!OOO!pp", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!OO!O!O!OOOOOOOO!O!O!OOO!pp", kwlist,
                                      &PyType_Type, &block_type, &PyList_Type, &blocks,
                                      &free_queue, &PyList_Type, &empty, &PyList_Type,
                                      &quarantined, &PyDict_Type, &index, &st[0], &st[1], &st[2],
-                                     &st[3], &st[4], &st[5], &PyTuple_Type, &stays_cached,
+                                     &st[3], &st[4], &st[5], &st[6], &PyTuple_Type, &stays_cached,
                                      &PyTuple_Type, &acquirable, &PyDict_Type, &evict_to,
                                      &counters, &block_removed, &PyDict_Type, &zero_blocks,
                                      &zero_all, &zero_suspect))
@@ -261,7 +277,9 @@ FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
         (self->off_blocks_evicted =
              slot_offset((PyObject *)Py_TYPE(counters), "blocks_evicted")) < 0 ||
         (self->off_blocks_zeroed =
-             slot_offset((PyObject *)Py_TYPE(counters), "blocks_zeroed")) < 0)
+             slot_offset((PyObject *)Py_TYPE(counters), "blocks_zeroed")) < 0 ||
+        (self->off_blocks_quarantined =
+             slot_offset((PyObject *)Py_TYPE(counters), "blocks_quarantined")) < 0)
         return -1;
     PyObject *remove = PyObject_GetAttrString(free_queue, "remove_evictable");
     if (remove == NULL)
@@ -283,6 +301,7 @@ FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
     KEEP(st_free, st[3])
     KEEP(st_validated, st[4])
     KEEP(st_published, st[5])
+    KEEP(st_quarantined, st[6])
     KEEP(stays_cached, stays_cached)
     KEEP(acquirable, acquirable)
     KEEP(evict_to, evict_to)
@@ -565,8 +584,9 @@ error:
  * release_blocks' reference-dropping pass: one block-level reference of each id in
  * turn; a block whose last reference goes is *cached* (a state a release leaves
  * cached), *freed* (ALLOCATED, or WRITTEN with steps_passed and no publication
- * waiting: it becomes FREE and joins the free queue's FREE blocks here), or
- * *released* (anything else). Cached blocks join their eviction queue here too
+ * waiting: it becomes FREE and joins the free queue's FREE blocks here),
+ * *quarantined* (WRITTEN without steps_passed, or QUARANTINED already: it joins the
+ * quarantined blocks here), or *released* (anything else). Cached blocks join their eviction queue here too
  * (FreeQueue.push_evictable). Returns the released blocks, in release order, for the
  * Python path to settle. None: some id cannot be released
  * (not an id of the pool, or no block-level reference left); every reference dropped
@@ -585,9 +605,6 @@ FastPath_release(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
     int steps_passed = PyObject_IsTrue(args[1]);
     if (steps_passed < 0)
         return NULL;
-    long size;
-    if (!get_long(self->free_queue, self->off_size, &size))
-        Py_RETURN_NONE;
     Py_ssize_t n = PyList_GET_SIZE(ids);
     /* Checking pass: every block's counters are plain ints (so that the applying pass
      * cannot stop half-way on them), and references suffice. Duplicates are checked
@@ -599,8 +616,9 @@ FastPath_release(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
             !get_long(block, self->off_ref_cnt, &ref_cnt) || ref_cnt < refs)
             Py_RETURN_NONE;
     }
-    PyObject *cached = PyList_New(0), *released = PyList_New(0), *freed = PyList_New(0);
-    if (cached == NULL || released == NULL || freed == NULL)
+    PyObject *cached = PyList_New(0), *released = PyList_New(0), *freed = PyList_New(0),
+             *quarantined = PyList_New(0);
+    if (cached == NULL || released == NULL || freed == NULL || quarantined == NULL)
         goto error;
     Py_ssize_t done = 0;
     for (; done < n; done++) {
@@ -621,6 +639,9 @@ FastPath_release(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
                      (steps_passed && state == self->st_written &&
                       FIELD(block, self->off_pending) == Py_None))
                 into = freed;
+            else if ((!steps_passed && state == self->st_written) ||
+                     state == self->st_quarantined)
+                into = quarantined;
             else
                 into = released;
             if (PyList_Append(into, block) < 0)
@@ -639,6 +660,7 @@ FastPath_release(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
         Py_DECREF(cached);
         Py_DECREF(released);
         Py_DECREF(freed);
+        Py_DECREF(quarantined);
         Py_RETURN_NONE;
     }
     /* ALLOCATED --RELEASE--> FREE, and WRITTEN --VALIDATE--> VALIDATED --RELEASE-->
@@ -657,10 +679,45 @@ FastPath_release(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
             }
         }
         Py_DECREF(zero);
-        if (add_to_field(self->free_queue, self->off_size, size, num_freed) < 0)
+        if (bump_field(self->free_queue, self->off_size, num_freed) < 0)
+            goto error;
+    }
+    /* WRITTEN --RELEASE--> QUARANTINED (PoolCore._quarantine: its step can never be
+     * validated now), and a held QUARANTINED block let go; both join the queue of
+     * blocks reused first, in release order (PoolCore._drop_last_refs). */
+    Py_ssize_t num_quarantined = PyList_GET_SIZE(quarantined);
+    if (num_quarantined) {
+        PyObject *zero = PyLong_FromLong(0);
+        long generation, newly = 0;
+        for (Py_ssize_t k = 0; k < num_quarantined; k++) {
+            PyObject *block = PyList_GET_ITEM(quarantined, k);
+            set_field(block, self->off_pending, Py_None);
+            if (FIELD(block, self->off_state) == self->st_written) {
+                set_field(block, self->off_state, self->st_quarantined);
+                set_field(block, self->off_block_hash, Py_None);
+                set_field(block, self->off_parent_hash, Py_None);
+                set_field(block, self->off_writers, zero);
+                if (!get_long(block, self->off_generation, &generation) ||
+                    add_to_field(block, self->off_generation, generation, 1) < 0) {
+                    if (!PyErr_Occurred())
+                        PyErr_SetString(PyExc_RuntimeError, "kvguard: a generation is not an int");
+                    Py_DECREF(zero);
+                    goto error;
+                }
+                newly++;
+            }
+            if (PyList_Append(self->quarantined, FIELD(block, self->off_block_id)) < 0) {
+                Py_DECREF(zero);
+                goto error;
+            }
+        }
+        Py_DECREF(zero);
+        if (bump_field(self->free_queue, self->off_size, num_quarantined) < 0 ||
+            (newly && bump_field(self->counters, self->off_blocks_quarantined, newly) < 0))
             goto error;
     }
     Py_DECREF(freed);
+    Py_DECREF(quarantined);
     if (enqueue_evictable(self, cached) < 0)
         goto error;
     Py_DECREF(cached);
@@ -669,6 +726,7 @@ error:
     Py_XDECREF(cached);
     Py_XDECREF(released);
     Py_XDECREF(freed);
+    Py_XDECREF(quarantined);
     return NULL;
 }
 

@@ -23,6 +23,7 @@ class FastPath:
         free: BlockState,
         validated: BlockState,
         published: BlockState,
+        quarantined_state: BlockState,
         stays_cached: tuple[BlockState, ...],
         acquirable: tuple[BlockState, ...],
         evict_to: dict[BlockState, BlockState],

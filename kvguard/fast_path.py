@@ -54,6 +54,7 @@ def fast_path(
     freed: BlockState,
     validated: BlockState,
     published: BlockState,
+    quarantined: BlockState,
     stays_cached: Sequence[BlockState],
     acquirable: Sequence[BlockState],
     evict_to: dict[BlockState, BlockState],
@@ -66,7 +67,8 @@ def fast_path(
 
     The states are the pool's transitions read off its one table (the extension
     decides none itself): what allocation hands out, what a write of a fresh block
-    makes, what a clean release frees to, what validation and publication lead to, the
+    makes, what a clean release frees to, what validation and publication lead to,
+    what releasing an unvalidated block leads to (and stays on a release), the
     states a release leaves cached, those a prefix hit leaves as they are and where
     eviction takes each cached state. Evictions bump ``counters.blocks_evicted``;
     ``zero_blocks`` is the zero queue's set of block ids (``zero_suspect``: reused
@@ -88,6 +90,7 @@ def fast_path(
         freed,
         validated,
         published,
+        quarantined,
         tuple(stays_cached),
         tuple(acquirable),
         evict_to,

@@ -78,6 +78,11 @@ _PUBLISH_FROM_VALIDATED = _NEXT[_VALIDATED][_PUBLISH]
 _WRITTEN_FROM_ALLOCATED = _NEXT[_ALLOCATED][_WRITE]
 # Cached states a release leaves as they are (they become eviction candidates).
 _STAYS_CACHED = frozenset(s for s in MATCHABLE_STATES if _RELEASE_TO.get(s) is s)
+# Transitions the compiled release applies; stop at import if the table disagrees.
+if not (
+    _RELEASE_TO[_WRITTEN] is _QUARANTINED and _RELEASE_TO[_QUARANTINED] is _QUARANTINED
+):  # pragma: no cover - guards a future edit of TRANSITIONS
+    raise ImportError("kvguard's compiled release quarantines as TRANSITIONS no longer does")
 # Matchable states a prefix hit (ACQUIRE) leaves as they are.
 _ACQUIRABLE = tuple(s for s in MATCHABLE_STATES if _ACQUIRE_TO.get(s) is s)
 
@@ -150,6 +155,7 @@ class PoolCore:
             freed=_RELEASE_TO[_NEXT[_WRITTEN][_VALIDATE]],
             validated=_VALIDATE_FROM_WRITTEN,
             published=_PUBLISH_FROM_VALIDATED,
+            quarantined=_RELEASE_TO[_WRITTEN],
             stays_cached=tuple(_STAYS_CACHED),
             acquirable=_ACQUIRABLE,
             evict_to=_EVICT_TO,
