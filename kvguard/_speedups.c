@@ -26,7 +26,6 @@ typedef struct {
     PyObject *empty;       /* its list of FREE block ids */
     PyObject *quarantined; /* its list of QUARANTINED block ids */
     PyObject *index;       /* the prefix index: dict hash -> block id */
-    PyObject *remove_evictable; /* bound FreeQueue.remove_evictable */
     PyObject *st_allocated;
     PyObject *st_written_from_allocated;
     PyObject *st_written;
@@ -44,7 +43,7 @@ typedef struct {
     int zero_suspect;                  /* zero_policy SUSPECT: reused quarantined blocks do */
     Py_ssize_t off_block_id, off_state, off_ref_cnt, off_block_hash, off_parent_hash,
         off_generation, off_external_refs, off_writers, off_pending, off_size, off_first,
-        off_num_evictable, off_blocks_evicted, off_blocks_zeroed, off_blocks_quarantined,
+        off_num_evictable, off_evictable, off_blocks_evicted, off_blocks_zeroed, off_blocks_quarantined,
         off_retention;
 } FastPath;
 
@@ -171,7 +170,6 @@ FastPath_dealloc(FastPath *self)
     Py_CLEAR(self->empty);
     Py_CLEAR(self->quarantined);
     Py_CLEAR(self->index);
-    Py_CLEAR(self->remove_evictable);
     Py_CLEAR(self->st_allocated);
     Py_CLEAR(self->st_written_from_allocated);
     Py_CLEAR(self->st_written);
@@ -197,7 +195,6 @@ FastPath_traverse(FastPath *self, visitproc visit, void *arg)
     Py_VISIT(self->empty);
     Py_VISIT(self->quarantined);
     Py_VISIT(self->index);
-    Py_VISIT(self->remove_evictable);
     Py_VISIT(self->stays_cached);
     Py_VISIT(self->acquirable);
     Py_VISIT(self->evict_to);
@@ -215,7 +212,6 @@ FastPath_clear(FastPath *self)
     Py_CLEAR(self->empty);
     Py_CLEAR(self->quarantined);
     Py_CLEAR(self->index);
-    Py_CLEAR(self->remove_evictable);
     Py_CLEAR(self->counters);
     Py_CLEAR(self->zero_blocks);
     return 0;
@@ -274,6 +270,7 @@ FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
     if ((self->off_size = slot_offset(queue_type, "size")) < 0 ||
         (self->off_first = slot_offset(queue_type, "_first")) < 0 ||
         (self->off_num_evictable = slot_offset(queue_type, "_num_evictable")) < 0 ||
+        (self->off_evictable = slot_offset(queue_type, "_evictable")) < 0 ||
         (self->off_blocks_evicted =
              slot_offset((PyObject *)Py_TYPE(counters), "blocks_evicted")) < 0 ||
         (self->off_blocks_zeroed =
@@ -281,10 +278,6 @@ FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
         (self->off_blocks_quarantined =
              slot_offset((PyObject *)Py_TYPE(counters), "blocks_quarantined")) < 0)
         return -1;
-    PyObject *remove = PyObject_GetAttrString(free_queue, "remove_evictable");
-    if (remove == NULL)
-        return -1;
-    Py_XSETREF(self->remove_evictable, remove);
     Py_INCREF(block_type);
     Py_XSETREF(self->block_type, (PyTypeObject *)block_type);
 #define KEEP(member, value) \
@@ -775,8 +768,10 @@ FastPath_validate(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
             if (pending == NULL)
                 break;
         }
-        if (pending != Py_None && (!PyTuple_CheckExact(pending) || PyTuple_GET_SIZE(pending) != 3))
-            break; /* the Python path raises on it as before */
+        if (pending != Py_None &&
+            (!PyTuple_CheckExact(pending) || PyTuple_GET_SIZE(pending) != 3 ||
+             !PyBytes_CheckExact(PyTuple_GET_ITEM(pending, 0))))
+            break; /* not a (bytes hash, parent, owner): the Python path decides */
         set_field(block, self->off_writers, zero);
     }
     if (checked != n) {
@@ -845,6 +840,38 @@ error:
     return NULL;
 }
 
+/* FreeQueue.remove_evictable(block): a cached block with no reference leaves its
+ * retention class's eviction queue (a prefix hit takes it). */
+static int
+take_out_of_eviction(FastPath *self, PyObject *block)
+{
+    PyObject *classes = FIELD(self->free_queue, self->off_evictable);
+    PyObject *retention = FIELD(block, self->off_retention);
+    if (classes == NULL || retention == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "kvguard: free queue without eviction classes");
+        return -1;
+    }
+    PyObject *bucket = PyObject_GetItem(classes, retention);
+    if (bucket == NULL)
+        return -1;
+    Py_ssize_t left = -1;
+    if (PyObject_DelItem(bucket, FIELD(block, self->off_block_id)) == 0)
+        left = PyObject_Size(bucket);
+    Py_DECREF(bucket);
+    if (left < 0)
+        return -1;
+    if (left == 0) {
+        PyObject *r = PyObject_CallMethod(self->free_queue, "_drop_class", "O", retention);
+        if (r == NULL)
+            return -1;
+        Py_DECREF(r);
+    }
+    if (bump_field(self->free_queue, self->off_num_evictable, -1) < 0 ||
+        bump_field(self->free_queue, self->off_size, -1) < 0)
+        return -1;
+    return 0;
+}
+
 /* acquire(ids: list[int]) -> bool
  *
  * acquire_blocks(ids): every id names a block in a state ACQUIRE leaves as it is
@@ -869,10 +896,8 @@ FastPath_acquire(FastPath *self, PyObject *ids)
         PyObject *block = block_of(self, PyList_GET_ITEM(ids, k));
         get_long(block, self->off_ref_cnt, &ref_cnt);
         if (!ref_cnt) {
-            PyObject *r = PyObject_CallOneArg(self->remove_evictable, block);
-            if (r == NULL)
+            if (take_out_of_eviction(self, block) < 0)
                 return NULL;
-            Py_DECREF(r);
         }
         get_long(block, self->off_external_refs, &refs);
         if (add_to_field(block, self->off_ref_cnt, ref_cnt, 1) < 0 ||
