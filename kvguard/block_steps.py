@@ -42,6 +42,23 @@ def _nothing_held(block_id: int) -> None:
     return None
 
 
+def _check_publication(block_id: object, publication: object) -> None:
+    """A publication must be ``(hash: bytes, parent hash: bytes | None, owner: str)``:
+    anything else is refused before the pool changes (an unhashable hash would
+    otherwise fail half-way through a validation)."""
+    if not (
+        type(publication) is tuple
+        and len(publication) == 3
+        and isinstance(publication[0], bytes)
+        and (publication[1] is None or isinstance(publication[1], bytes))
+        and isinstance(publication[2], str)
+    ):
+        raise PoolMisuseError(
+            f"block {block_id!r}: a publication is (hash: bytes, parent hash: bytes | None, "
+            f"owner: str), got {publication!r}"
+        )
+
+
 class BlockSteps(PoolCore):
     """The block-level API: the caller keeps its own block tables and names blocks."""
 
@@ -268,6 +285,11 @@ class BlockSteps(PoolCore):
                 if published:
                     self._counters.blocks_published += len(published)
                 return BlockValidation(tuple(ids), tuple(published), tuple(duplicates))
+        if publish:
+            for block_id in ids:
+                held = publish.get(block_id)
+                if held is not None:
+                    _check_publication(block_id, held)
         blocks = self._blocks
         num_blocks = self.num_blocks
         # The usual case -- distinct blocks, each written by this step alone: one
@@ -407,6 +429,7 @@ class BlockSteps(PoolCore):
             raise PoolMisuseError("publish_block() needs a pool with enable_caching=True")
         if type(block_id) is not int or not 0 <= block_id < self.num_blocks:
             self._block(block_id)  # raises UnknownBlockError
+        _check_publication(block_id, (block_hash, parent_hash, owner))
         block = self._blocks[block_id]
         state = block.state
         if state in MATCHABLE_STATES:

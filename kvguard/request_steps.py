@@ -130,6 +130,11 @@ class RequestSteps(PoolCore):
                     break
                 ids.append(block_id)
                 gens.append(blocks[block_id].generation)
+            if rec.explicit_hashes and len(set(ids)) != len(ids):
+                # Caller-given hashes that repeat (chained ones never do) would name one
+                # block twice in a block table: the hit ends before the first repeat.
+                first_repeat = next(i for i, b in enumerate(ids) if b in ids[:i])
+                del ids[first_repeat:], gens[first_repeat:]
         counters = self._counters
         counters.lookups += 1
         counters.lookup_query_tokens += limit

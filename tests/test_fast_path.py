@@ -47,6 +47,7 @@ from kvguard import (
     ForeignBlockError,
     KvGuardError,
     OutOfBlocksError,
+    PoolMisuseError,
     ZeroPolicy,
 )
 from kvguard.block import Block
@@ -672,15 +673,14 @@ def test_validate_refusals_and_mappings(pair_of: Callable[..., Pair], record_eve
 
 @requires_speedups
 def test_validate_with_unhashable_held_hash(pair_of: Callable[..., Pair]) -> None:
-    """A held publication whose hash cannot be hashed (a caller bug: hashes are bytes)
-    raises TypeError from the index lookup, after the blocks before it were validated;
-    C and Python must leave the same pool behind -- the block after it still WRITTEN
-    by its one step, validatable."""
+    """A held publication whose hash is not bytes (a caller bug) is refused with
+    PoolMisuseError before either pool changes (C leaves it to the Python path, which
+    checks every publication first); both blocks stay WRITTEN, validatable."""
     pair = pair_of(4, record_events=False)
     a, b = pair.ok("allocate_blocks", 2, write=True)
     result = pair.call("validate_blocks", [a, b], {a: ([1], None, "o")})
-    assert isinstance(result, Raised) and result.type is TypeError
-    assert pair.ok("validate_blocks", [b]).validated == (b,)
+    assert isinstance(result, Raised) and result.type is PoolMisuseError
+    assert pair.ok("validate_blocks", [a, b]).validated == (a, b)
 
 
 @requires_speedups

@@ -74,6 +74,22 @@ def test_caller_supplied_hashes() -> None:
     assert pool.lookup("b").num_tokens == 16
 
 
+def test_caller_supplied_hashes_that_repeat_end_the_hit_before_the_repeat() -> None:
+    """Hashes given by the caller may repeat (chained ones never do): a hit naming one
+    block twice would put it twice in the request's block table."""
+    pool = make_pool()
+    (h,) = hash_block_tokens(PROMPT[:4], 4)
+    pool.add_request("a", block_hashes=[h])
+    pool.allocate("a", 4)
+    pool.write("a", 4)
+    pool.validate_step("a")
+    pool.add_request("b", block_hashes=[h, h, h])
+    hit = pool.lookup("b")
+    assert hit.block_ids == pool.block_table("a") and hit.num_tokens == 4
+    pool.allocate("b", 12, hit=hit)
+    pool.check_invariants()
+
+
 # ---------------------------------------------------------------- publication
 
 

@@ -410,3 +410,24 @@ def test_release_after_passed_steps_changes_nothing_on_error() -> None:
         pool.release_blocks([a, b], steps_passed=True)
     assert pool.snapshot() == before
     assert _state(pool, a) is BlockState.WRITTEN
+
+
+@pytest.mark.parametrize(
+    "publication",
+    [([1], None, "r"), ("h", None, "r"), (H1, 7, "r"), (H1, None, 3), (H1, None)],
+)
+def test_a_malformed_publication_is_refused_before_anything_changes(
+    publication: tuple[object, ...],
+) -> None:
+    """Hashes are bytes: an unhashable one would otherwise fail half-way through."""
+    pool = _pool()
+    a, b = pool.allocate_blocks(2, write=True)
+    before = pool.snapshot()
+    with pytest.raises(PoolMisuseError, match="publication"):
+        pool.validate_blocks([a, b], {b: publication})  # type: ignore[dict-item]
+    if len(publication) == 3:
+        block_hash, parent, owner = publication
+        with pytest.raises(PoolMisuseError, match="publication"):
+            pool.publish_block(a, block_hash, parent, owner=owner)  # type: ignore[arg-type]
+    assert pool.snapshot() == before
+    assert pool.validate_blocks([a, b]).validated == (a, b)
