@@ -3,10 +3,12 @@
 An engine's scheduler calls the pool several times per step, and in pure Python
 kvguard's allocation, release, prefix-hit and validation calls cost more than vLLM's
 own pool does for the same blocks (``docs/vllm.md``, "What it costs"). The extension
-does the common case of each of those four calls in C, with exactly the effects of the
-Python code; anything else -- bad input, quarantined blocks to hand out, evictions,
-recorded events -- takes the Python path, which stays the reference and names every
-error. Both are tested against each other (``tests/test_fast_path.py``).
+does the common case of each of those four block-level calls in C (and the vLLM
+adapter's noting of filled blocks, :func:`fill_notes`), with exactly the effects of
+the Python code; anything else -- bad input, the zeroing policy "all", a validation
+while kvguard records events, a clean release whose block still waits for its
+publication -- takes the Python path, which stays the reference and names every error.
+Both are tested against each other (``tests/test_fast_path.py``).
 
 It is built when the package is installed from source with a C compiler at hand;
 without one, or with ``KVGUARD_PURE_PYTHON=1`` in the environment when a pool is
