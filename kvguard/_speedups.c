@@ -355,13 +355,7 @@ evict_into(FastPath *self, PyObject *ids, Py_ssize_t start, Py_ssize_t count, Py
         if (failed)
             goto error;
     }
-    long num_evictable, blocks_evicted;
-    if (!get_long(self->free_queue, self->off_num_evictable, &num_evictable) ||
-        !get_long(self->counters, self->off_blocks_evicted, &blocks_evicted)) {
-        PyErr_SetString(PyExc_RuntimeError, "kvguard: free queue counters are not ints");
-        goto error;
-    }
-    if (add_to_field(self->free_queue, self->off_num_evictable, num_evictable, -count) < 0)
+    if (bump_field(self->free_queue, self->off_num_evictable, -count) < 0)
         goto error;
     for (k = 0; k < count; k++) {
         PyObject *id_obj = PyTuple_GET_ITEM(evicted, k);
@@ -389,7 +383,7 @@ evict_into(FastPath *self, PyObject *ids, Py_ssize_t start, Py_ssize_t count, Py
         Py_INCREF(id_obj);
         PyList_SET_ITEM(ids, start + k, id_obj);
     }
-    if (add_to_field(self->counters, self->off_blocks_evicted, blocks_evicted, count) < 0)
+    if (bump_field(self->counters, self->off_blocks_evicted, count) < 0)
         goto error;
     if (events != Py_None) {
         PyObject *event = PyObject_CallFunctionObjArgs(self->block_removed, hashes, evicted, NULL);
@@ -534,12 +528,6 @@ enqueue_evictable(FastPath *self, PyObject *blocks)
     Py_ssize_t n = PyList_GET_SIZE(blocks);
     if (n == 0)
         return 0;
-    long size, num_evictable;
-    if (!get_long(self->free_queue, self->off_size, &size) ||
-        !get_long(self->free_queue, self->off_num_evictable, &num_evictable)) {
-        PyErr_SetString(PyExc_RuntimeError, "kvguard: free queue counters are not ints");
-        return -1;
-    }
     PyObject *key = NULL, *bucket = NULL;
     for (Py_ssize_t k = 0; k < n; k++) {
         PyObject *block = PyList_GET_ITEM(blocks, k);
@@ -562,8 +550,8 @@ enqueue_evictable(FastPath *self, PyObject *blocks)
     }
     Py_XDECREF(key);
     Py_XDECREF(bucket);
-    if (add_to_field(self->free_queue, self->off_num_evictable, num_evictable, n) < 0 ||
-        add_to_field(self->free_queue, self->off_size, size, n) < 0)
+    if (bump_field(self->free_queue, self->off_num_evictable, n) < 0 ||
+        bump_field(self->free_queue, self->off_size, n) < 0)
         return -1;
     return 0;
 error:
