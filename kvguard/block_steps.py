@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+from kvguard import arguments
 from kvguard.block import Block, PendingPublication
 from kvguard.errors import (
     DoubleFreeError,
@@ -32,7 +33,6 @@ from kvguard.pool_core import (
     _WRITTEN,
     _WRITTEN_FROM_ALLOCATED,
     PoolCore,
-    _check_count,
 )
 from kvguard.results import BlockValidation, PublishOutcome
 from kvguard.states import MATCHABLE_STATES
@@ -40,23 +40,6 @@ from kvguard.states import MATCHABLE_STATES
 
 def _nothing_held(block_id: int) -> None:
     return None
-
-
-def _check_publication(block_id: object, publication: object) -> None:
-    """A publication must be ``(hash: bytes, parent hash: bytes | None, owner: str)``:
-    anything else is refused before the pool changes (an unhashable hash would
-    otherwise fail half-way through a validation)."""
-    if not (
-        type(publication) is tuple
-        and len(publication) == 3
-        and isinstance(publication[0], bytes)
-        and (publication[1] is None or isinstance(publication[1], bytes))
-        and isinstance(publication[2], str)
-    ):
-        raise PoolMisuseError(
-            f"block {block_id!r}: a publication is (hash: bytes, parent hash: bytes | None, "
-            f"owner: str), got {publication!r}"
-        )
 
 
 class BlockSteps(PoolCore):
@@ -73,7 +56,9 @@ class BlockSteps(PoolCore):
         blocks handed out, in one call: they come back WRITTEN by one step.
         """
         if type(num_blocks) is not int or num_blocks < 0:
-            _check_count("num_blocks", num_blocks)
+            arguments.count("num_blocks", num_blocks)
+        if write is not False and write is not True:
+            arguments.flag("write", write)
         fast = self._fast
         if fast is not None:
             ids = fast.allocate(num_blocks, write, self._events if self.record_events else None)
@@ -85,7 +70,7 @@ class BlockSteps(PoolCore):
 
     def acquire_blocks(self, block_ids: Iterable[int]) -> None:
         """Take a block-level reference on cached (PUBLISHED/OFFLOADED) blocks."""
-        ids = block_ids if isinstance(block_ids, list) else list(block_ids)
+        ids = block_ids if type(block_ids) is list else arguments.id_list(block_ids)
         fast = self._fast
         if fast is not None and fast.acquire(ids):
             return
@@ -112,7 +97,9 @@ class BlockSteps(PoolCore):
         pending publication happens), then released -- a holder's partial tail is
         freed, not quarantined, without a validation call of its own.
         """
-        ids = block_ids if isinstance(block_ids, list) else list(block_ids)
+        ids = block_ids if type(block_ids) is list else arguments.id_list(block_ids)
+        if steps_passed is not False and steps_passed is not True:
+            arguments.flag("steps_passed", steps_passed)
         fast = self._fast
         if fast is not None:
             left = fast.release(ids, steps_passed)
@@ -218,7 +205,7 @@ class BlockSteps(PoolCore):
         Runtime: one pass when every block is ALLOCATED (blocks just handed out, the
         common case for a holder that marks blocks written when it allocates them).
         """
-        ids = block_ids if isinstance(block_ids, list) else list(block_ids)
+        ids = block_ids if type(block_ids) is list else arguments.id_list(block_ids)
         blocks = self._blocks
         num_blocks = self.num_blocks
         checked: list[Block] = []
@@ -271,11 +258,14 @@ class BlockSteps(PoolCore):
         Runtime: one checking pass and one applying pass over the ids; one result
         object per call (callers batch a whole step's blocks into one call).
         """
-        ids = block_ids if isinstance(block_ids, list) else list(block_ids)
-        if publish and not self.enable_caching:
-            raise PoolMisuseError("validate_blocks(publish=...) needs enable_caching=True")
+        ids = block_ids if type(block_ids) is list else arguments.id_list(block_ids)
+        if publish is not None:
+            arguments.publications(publish)
+            if publish and not self.enable_caching:
+                raise PoolMisuseError("validate_blocks(publish=...) needs enable_caching=True")
         fast = self._fast
-        if fast is not None and not self.record_events:
+        # (The C path knows no taint: while any hash is tainted, Python validates.)
+        if fast is not None and not self.record_events and not self._tainted:
             # The usual case (distinct blocks, each written by this step alone), in C.
             applied = fast.validate(ids, publish if publish else None)  # type: ignore[arg-type]
             if applied is not None:
@@ -285,11 +275,6 @@ class BlockSteps(PoolCore):
                 if published:
                     self._counters.blocks_published += len(published)
                 return BlockValidation(tuple(ids), tuple(published), tuple(duplicates))
-        if publish:
-            for block_id in ids:
-                held = publish.get(block_id)
-                if held is not None:
-                    _check_publication(block_id, held)
         blocks = self._blocks
         num_blocks = self.num_blocks
         # The usual case -- distinct blocks, each written by this step alone: one
@@ -343,6 +328,7 @@ class BlockSteps(PoolCore):
         adapter validates and publishes a whole step here)."""
         blocks = self._blocks
         index = self._index
+        tainted = self._tainted
         events = self._events if self.record_events else None
         held = publish.get if publish else _nothing_held
         published: list[int] = []
@@ -361,6 +347,12 @@ class BlockSteps(PoolCore):
                 num_held += 1
             block.pending_publication = None
             block_hash, parent_hash, owner = pending
+            if tainted:
+                if parent_hash in tainted:  # chained on KV found corrupt: never matchable
+                    tainted.add(block_hash)
+                    self._counters.tainted_publications_refused += 1
+                    continue
+                tainted.discard(block_hash)  # computed afresh, on a sound prefix
             block.block_hash = block_hash
             block.parent_hash = parent_hash
             if block_hash in index:
@@ -382,8 +374,19 @@ class BlockSteps(PoolCore):
         for block_id, n in self._count_ids(ids).items():
             block = self._blocks[block_id]
             if block.state is not _WRITTEN or block.writers < n:
+                self._check_block_level(block)
                 self._no_pending_step(block, n)
         raise AssertionError("validate_blocks() stopped on a valid block")  # pragma: no cover
+
+    @staticmethod
+    def _check_block_level(block: Block) -> None:
+        """Refuse a block-level call on a block a request's block table holds (and no
+        block-level holder shares: only cached blocks are shared)."""
+        if block.ref_cnt and not block.external_refs and block.state not in MATCHABLE_STATES:
+            raise ForeignBlockError(
+                f"block {block.block_id} ({block.state.name}) is held by a request's block "
+                "table, not through allocate_blocks(); use the request-level API for it"
+            )
 
     @staticmethod
     def _no_pending_step(block: Block, n: int) -> None:
@@ -399,7 +402,9 @@ class BlockSteps(PoolCore):
         zeroed before reuse. Validated and published blocks keep their state (rule 5).
         Returns the quarantined ids.
         """
-        ids = [self._block(block_id).block_id for block_id in block_ids]
+        ids = arguments.id_list(block_ids)
+        for block_id in ids:
+            self._check_block_level(self._block(block_id))
         blocks = self._blocks
         out: list[int] = []
         for block_id in ids:
@@ -429,13 +434,14 @@ class BlockSteps(PoolCore):
             raise PoolMisuseError("publish_block() needs a pool with enable_caching=True")
         if type(block_id) is not int or not 0 <= block_id < self.num_blocks:
             self._block(block_id)  # raises UnknownBlockError
-        _check_publication(block_id, (block_hash, parent_hash, owner))
+        arguments.publication(block_id, (block_hash, parent_hash, owner))
         block = self._blocks[block_id]
         state = block.state
         if state in MATCHABLE_STATES:
             if block.block_hash != block_hash:
                 raise PoolMisuseError(f"block {block_id} is already published under another hash")
             return PublishOutcome.PUBLISHED
+        self._check_block_level(block)
         if state is _VALIDATED:
             block.pending_publication = (block_hash, parent_hash, owner)
             if self._validate_and_publish([block_id], None).published:
@@ -450,4 +456,4 @@ class BlockSteps(PoolCore):
     def cached_block_id(self, block_hash: BlockHash) -> int | None:
         """The PUBLISHED/OFFLOADED block holding ``block_hash``, or None (no reference
         is taken: :meth:`acquire_blocks` it)."""
-        return self._index.get(block_hash)
+        return self._index.get(arguments.block_hash("block_hash", block_hash))

@@ -9,9 +9,9 @@ combines: request steps, block-level steps, the tier gate, fault recovery.
 
 from __future__ import annotations
 
-from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
+from kvguard import arguments
 from kvguard.block import Block
 from kvguard.errors import (
     IllegalTransitionError,
@@ -91,19 +91,6 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _token_array(token_ids: Iterable[int]) -> array[int]:
-    """Token ids as a compact int64 array; bad ids fail here, not later mid-publication."""
-    try:
-        return array("q", token_ids)
-    except (TypeError, OverflowError) as exc:
-        raise PoolMisuseError(f"token ids must be ints in int64 range: {exc}") from None
-
-
-def _check_count(name: str, value: int) -> None:
-    if type(value) is not int or value < 0:
-        raise PoolMisuseError(f"{name} must be a non-negative int, got {value!r}")
-
-
 class PoolCore:
     """Shared state and machinery; see :class:`kvguard.BlockPool` for the API."""
 
@@ -126,6 +113,10 @@ class PoolCore:
             raise PoolMisuseError(f"zero_policy must be a ZeroPolicy, got {zero_policy!r}")
         if not (isinstance(block_type, type) and issubclass(block_type, Block)):
             raise PoolMisuseError(f"block_type must be a subclass of Block, got {block_type!r}")
+        if not callable(hasher):
+            raise PoolMisuseError(f"hasher must be callable, got {hasher!r}")
+        arguments.flag("enable_caching", enable_caching)
+        arguments.flag("record_events", record_events)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
@@ -138,6 +129,10 @@ class PoolCore:
         self._free = FreeQueue()
         self._free.push_all_empty(list(range(num_blocks)))
         self._index: dict[BlockHash, int] = {}
+        # Hashes invalidated, and hashes of blocks chained on them, since last published
+        # afresh: a publication whose parent is here descends from corrupt KV (see
+        # TierGate.invalidate) and is refused.
+        self._tainted: set[BlockHash] = set()
         self._requests: dict[str, RequestRecord] = {}
         self._zero = ZeroQueue()
         self._events: list[PoolEvent] = []
@@ -186,8 +181,8 @@ class PoolCore:
     def _record(self, request_id: str) -> RequestRecord:
         try:
             return self._requests[request_id]
-        except KeyError:
-            raise UnknownRequestError(request_id) from None
+        except (KeyError, TypeError):  # TypeError: unhashable, not a str
+            raise UnknownRequestError(arguments.request_id(request_id)) from None
 
     def _live_record(self, request_id: str) -> RequestRecord:
         rec = self._record(request_id)

@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections import deque
 
 from kvguard.errors import PoolMisuseError, RollbackError
-from kvguard.pool_core import _QUARANTINED, _VALIDATE, _WRITE, PoolCore, _cdiv, _check_count
+from kvguard import arguments
+from kvguard.pool_core import _VALIDATE, _WRITE, PoolCore, _cdiv
 from kvguard.results import SlotRange, TailRollback
 from kvguard.states import MATCHABLE_STATES, BlockEvent
 
@@ -36,7 +37,7 @@ class Recovery(PoolCore):
         if num_tokens is None:
             boundary = rec.num_validated
         else:
-            _check_count("num_tokens", num_tokens)
+            arguments.count("num_tokens", num_tokens)
             if num_tokens > old:
                 raise PoolMisuseError(
                     f"cannot roll back {num_tokens} tokens: request {request_id!r} has "
@@ -46,7 +47,8 @@ class Recovery(PoolCore):
             if rec.aborted and boundary > rec.num_validated:
                 raise RollbackError(
                     f"request {request_id!r} was aborted: tokens past its validated boundary "
-                    f"({rec.num_validated}) come from the failed step and cannot be kept"
+                    f"({rec.num_validated}) come from a failed step or were computed on "
+                    "invalidated KV, and cannot be kept"
                 )
         size = self.block_size
         blocks = self._blocks
@@ -59,15 +61,6 @@ class Recovery(PoolCore):
                     f"rolling request {request_id!r} back to token {boundary} would wipe "
                     f"block {block.block_id} ({block.state.name}, ref_cnt={block.ref_cnt}), "
                     "which other requests can see; invalidate() its hash instead"
-                )
-        if affected and boundary % size:
-            first = blocks[table[affected[0]]]
-            if first.state is _QUARANTINED and (affected[0] + 1) * size <= rec.num_validated:
-                # Quarantined though wholly validated: its hash was tainted (invalidate),
-                # so the prefix this rollback would keep is corrupt too.
-                raise RollbackError(
-                    f"block {first.block_id} of request {request_id!r} was invalidated; "
-                    f"roll back to its start (token {affected[0] * size}) or free the request"
                 )
         new_validated = min(rec.num_validated, boundary)
         slots: list[SlotRange] = []
@@ -97,9 +90,10 @@ class Recovery(PoolCore):
         # The token at position t was sampled by the step that processed t - 1, so the
         # ids up to and including ``boundary`` stay valid; later generated ones will be
         # produced again. Prompt ids always stay.
-        del rec.token_ids[max(boundary + 1, rec.num_prompt_tokens) :]
-        if not rec.explicit_hashes:
-            del rec.block_hashes[len(rec.token_ids) // size :]
+        if boundary < old:  # (a rollback of nothing drops no token id)
+            del rec.token_ids[max(boundary + 1, rec.num_prompt_tokens) :]
+            if not rec.explicit_hashes:
+                del rec.block_hashes[len(rec.token_ids) // size :]
         result = TailRollback(request_id, boundary, old - boundary, tuple(slots))
         self._zero.add_slots(result.slots)
         self._counters.slots_zeroed += old - boundary

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
+from kvguard import arguments
 from kvguard.block import Block
 from kvguard.errors import (
     DuplicateRequestError,
@@ -35,8 +36,6 @@ from kvguard.pool_core import (
     _WRITTEN,
     PoolCore,
     _cdiv,
-    _check_count,
-    _token_array,
 )
 from kvguard.results import PrefixHit, RequestProgress, StepOutcome, StepResult, TokenRange
 from kvguard.states import MATCHABLE_STATES
@@ -61,8 +60,7 @@ class RequestSteps(PoolCore):
         chained) instead and extend them with :meth:`append_block_hashes`. A request's
         cached blocks are evicted in order of ``retention`` (lower first), LRU within.
         """
-        if not isinstance(request_id, str):
-            raise PoolMisuseError(f"request_id must be a str, got {request_id!r}")
+        arguments.request_id(request_id)
         if request_id in self._requests:
             raise DuplicateRequestError(
                 f"request {request_id!r} is already open; free() it before adding it again"
@@ -71,14 +69,15 @@ class RequestSteps(PoolCore):
             raise PoolMisuseError(f"retention must be an int, got {retention!r}")
         if salt is not None and not isinstance(salt, bytes):
             raise PoolMisuseError(f"salt must be bytes or None, got {salt!r}")
-        tokens = _token_array(token_ids)
+        tokens = arguments.token_array(token_ids)
+        hashes = None if block_hashes is None else arguments.hash_list("block_hashes", block_hashes)
         rec = RequestRecord(
             request_id,
             tokens,
             salt,
             retention,
-            explicit_hashes=block_hashes is not None,
-            block_hashes=list(block_hashes) if block_hashes is not None else [],
+            explicit_hashes=hashes is not None,
+            block_hashes=list(hashes) if hashes is not None else [],
             num_prompt_tokens=len(tokens),
         )
         self._requests[request_id] = rec
@@ -91,7 +90,7 @@ class RequestSteps(PoolCore):
         published now; returns their ids.
         """
         rec = self._record(request_id)
-        rec.token_ids.extend(_token_array(token_ids))
+        rec.token_ids.extend(arguments.token_array(token_ids))
         return self._publish_ready(rec)
 
     def append_block_hashes(
@@ -103,7 +102,7 @@ class RequestSteps(PoolCore):
             raise PoolMisuseError(
                 f"request {request_id!r} hashes its token ids; use append_tokens()"
             )
-        rec.block_hashes.extend(block_hashes)
+        rec.block_hashes.extend(arguments.hash_list("block_hashes", block_hashes))
         return self._publish_ready(rec)
 
     def lookup(self, request_id: str, *, max_tokens: int | None = None) -> PrefixHit:
@@ -117,7 +116,7 @@ class RequestSteps(PoolCore):
         size = self.block_size
         limit = len(rec.block_hashes) * size if rec.explicit_hashes else len(rec.token_ids)
         if max_tokens is not None:
-            _check_count("max_tokens", max_tokens)
+            arguments.count("max_tokens", max_tokens)
             limit = min(limit, max_tokens)
         ids: list[int] = []
         gens: list[int] = []
@@ -139,32 +138,65 @@ class RequestSteps(PoolCore):
         counters.lookups += 1
         counters.lookup_query_tokens += limit
         counters.lookup_hit_tokens += len(ids) * size
-        return PrefixHit(request_id, tuple(ids), tuple(gens), len(ids) * size)
+        return PrefixHit(request_id, tuple(ids), tuple(gens), len(ids) * size, origin=rec)
 
-    def _check_hit(self, rec: RequestRecord, hit: PrefixHit) -> None:
+    def _check_hit(self, rec: RequestRecord, hit: object) -> PrefixHit:
+        """The hit, if :meth:`lookup` made it for this very request (not an earlier one
+        under the same id, nor another pool's) and every block of it still holds what
+        it held then; else a typed error."""
+        if not isinstance(hit, PrefixHit):
+            raise PoolMisuseError(f"hit must be a PrefixHit from lookup(), got {hit!r}")
         if hit.request_id != rec.request_id:
             raise PoolMisuseError(
                 f"prefix hit belongs to request {hit.request_id!r}, not {rec.request_id!r}"
+            )
+        if hit.origin is not rec:
+            raise StaleHitError(
+                f"this prefix hit was not looked up for request {rec.request_id!r} as it is "
+                "open now (an earlier request with that id, another pool, or built by hand); "
+                "lookup() it again"
             )
         if rec.blocks:
             raise PoolMisuseError(
                 f"request {rec.request_id!r} already holds blocks; a prefix hit is only "
                 "used by its first allocation"
             )
-        blocks = self._blocks
-        for block_id, generation in zip(hit.block_ids, hit.generations, strict=True):
-            block = blocks[block_id]
-            if block.generation != generation or block.state not in MATCHABLE_STATES:
+        ids, gens = hit.block_ids, hit.generations
+        if not (
+            type(ids) is tuple
+            and type(gens) is tuple
+            and len(ids) == len(gens)
+            and hit.num_tokens == len(ids) * self.block_size
+            and len(set(ids)) == len(ids)
+        ):
+            raise PoolMisuseError(f"malformed prefix hit (not as lookup() made it): {hit!r}")
+        hashes = rec.block_hashes  # lookup() hashed at least as many blocks as it hit
+        if len(ids) > len(hashes):
+            raise StaleHitError(
+                f"the prefix hit covers more blocks than request {rec.request_id!r} has "
+                "hashes for now; lookup() it again"
+            )
+        for i, (block_id, generation) in enumerate(zip(ids, gens)):
+            block = self._block(block_id)  # UnknownBlockError for an id outside the pool
+            if (
+                block.generation != generation
+                or block.state not in MATCHABLE_STATES
+                or block.block_hash != hashes[i]
+            ):
                 raise StaleHitError(
                     f"block {block_id} of the prefix hit was evicted or invalidated since "
                     "lookup(); look the request up again"
                 )
+        return hit
 
     def can_allocate(
         self, request_id: str, num_tokens: int, *, hit: PrefixHit | None = None
     ) -> bool:
         """True if :meth:`allocate` with the same arguments would find enough blocks."""
         rec = self._record(request_id)
+        arguments.count("num_tokens", num_tokens)
+        if hit is not None:
+            hit = self._check_hit(rec, hit)
         return self._blocks_short(rec, num_tokens, hit) <= 0
 
     def _blocks_short(self, rec: RequestRecord, num_tokens: int, hit: PrefixHit | None) -> int:
@@ -190,9 +222,9 @@ class RequestSteps(PoolCore):
         Raises :class:`OutOfBlocksError` (changing nothing) when blocks run out.
         """
         rec = self._live_record(request_id)
-        _check_count("num_tokens", num_tokens)
+        arguments.count("num_tokens", num_tokens)
         if hit is not None:
-            self._check_hit(rec, hit)
+            hit = self._check_hit(rec, hit)
             if num_tokens < hit.num_tokens:
                 raise PoolMisuseError(
                     f"num_tokens={num_tokens} is below the prefix hit's {hit.num_tokens}"
@@ -217,7 +249,7 @@ class RequestSteps(PoolCore):
         :meth:`validate_step` confirms this step. Returns the step's token range.
         """
         rec = self._live_record(request_id)
-        _check_count("num_tokens", num_tokens)
+        arguments.count("num_tokens", num_tokens)
         if num_tokens == 0:
             raise PoolMisuseError("a step writes at least one token (num_tokens=0)")
         size = self.block_size
@@ -288,12 +320,19 @@ class RequestSteps(PoolCore):
         published_ids: list[int] = []
         published_hashes: list[BlockHash] = []
         first_parent: BlockHash | None = None
+        tainted = self._tainted
         for i in range(cursor, stop):
             block = blocks[table[i]]
             if block.state is not _VALIDATED:
                 continue  # a prefix hit (already published) or tainted meanwhile
             block_hash = hashes[i]
             parent = hashes[i - 1] if i else None
+            if tainted:
+                if parent in tainted:  # chained on KV found corrupt: never matchable
+                    tainted.add(block_hash)
+                    self._counters.tainted_publications_refused += 1
+                    continue
+                tainted.discard(block_hash)  # computed afresh, on a sound prefix
             block.block_hash = block_hash
             block.parent_hash = parent
             if caching and block_hash not in index:

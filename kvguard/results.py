@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvguard.hashing import BlockHash
 
@@ -20,6 +20,9 @@ class PrefixHit:
     block_ids: tuple[int, ...]
     generations: tuple[int, ...]
     num_tokens: int
+    origin: object = field(default=None, repr=False, compare=False)
+    """The pool's record of the request the hit was looked up for: a hit is refused
+    by a later request under the same id, by another pool, and when built by hand."""
 
     @property
     def num_blocks(self) -> int:

@@ -31,6 +31,8 @@ class Counters:
     dropped_acks: int = 0
     """Store acknowledgements for blocks quarantined or reused meanwhile."""
     hashes_invalidated: int = 0
+    tainted_publications_refused: int = 0
+    """Validated blocks not published because they chain on an invalidated hash."""
     lookups: int = 0
     lookup_hit_tokens: int = 0
     lookup_query_tokens: int = 0

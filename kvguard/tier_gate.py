@@ -6,12 +6,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from kvguard import arguments
 from kvguard.errors import NotStorableError, UnknownTicketError
-from kvguard.events import BlockRemoved
+from kvguard.events import BlockRemoved, RequestAborted
 from kvguard.hashing import BlockHash
+from kvguard.ledger import RequestRecord
 from kvguard.pool_core import PoolCore
 from kvguard.results import InvalidationReport, StoreTicket
-from kvguard.states import MATCHABLE_STATES, STORABLE_STATES, TRANSITIONS, BlockEvent
+from kvguard.states import (
+    MATCHABLE_STATES,
+    STORABLE_STATES,
+    TRANSITIONS,
+    BlockEvent,
+    BlockState,
+)
 
 # STORE_ACK's row of the transition table, for ack_store's hot path: defined for every
 # storable state (checked at import).
@@ -21,6 +29,12 @@ _STORE_ACK_TO = {
     if BlockEvent.STORE_ACK in row
 }
 assert _STORE_ACK_TO.keys() >= STORABLE_STATES
+# How a request's unpublished blocks after a tainted one are quarantined, by state.
+_TAINT_EVENT = {
+    BlockState.WRITTEN: BlockEvent.FAIL,
+    BlockState.VALIDATED: BlockEvent.INVALIDATE,
+}
+assert all(TRANSITIONS[s][e] is BlockState.QUARANTINED for s, e in _TAINT_EVENT.items())
 
 
 class TierGate(PoolCore):
@@ -103,48 +117,120 @@ class TierGate(PoolCore):
         Every GPU block carrying one leaves the prefix index and is QUARANTINED; every
         tier copy is reported for purging. With ``descendants`` (default) blocks chained
         after a tainted one are tainted too: their KV was computed attending to it.
+
+        A request holding a tainted block computed everything after it on corrupt KV:
+        it is aborted (a ``RequestAborted`` event; ``report.requests`` names it), its
+        blocks past the first tainted one that are not published are quarantined, and
+        its validated boundary moves back to that block's start -- so
+        :meth:`zero_request_tail` resumes it from before the taint (when it holds the
+        tainted block alone), or it is freed. Until a tainted hash is published again
+        by a step that computed it afresh, no block chained on it is published, on
+        any path (block-level holders, which the pool cannot abort, included).
         """
-        targets = dict.fromkeys(block_hashes)
-        blocks = self._blocks
+        targets = dict.fromkeys(arguments.hash_list("block_hashes", block_hashes))
+        arguments.flag("descendants", descendants)
         if descendants:
-            children: dict[BlockHash, list[BlockHash]] = {}
-            for block in blocks:
-                if block.block_hash is not None and block.parent_hash is not None:
-                    children.setdefault(block.parent_hash, []).append(block.block_hash)
-            for child, parent in self._tiers.parents.items():
-                if parent is not None:
-                    children.setdefault(parent, []).append(child)
-            queue = list(targets)
-            while queue:
-                for child in children.get(queue.pop(), ()):
-                    if child not in targets:
-                        targets[child] = None
-                        queue.append(child)
+            self._add_descendants(targets)
+        removed: list[tuple[BlockHash, int]] = []  # (hash, id) of cached blocks dropped
+        dropped = self._drop(targets, removed)
+        # A request holding a dropped block computed what follows it on corrupt KV, so
+        # its later blocks are tainted too; dropping cached ones among them can reach
+        # more holders: repeat to a fixed point.
+        first_tainted: dict[str, int] = {}
+        while more := self._taint_tails(set(dropped), first_tainted):
+            new = dict.fromkeys(h for h in more if h not in targets)
+            targets.update(new)
+            dropped.extend(self._drop(new, removed))
+        self._tainted.update(targets)
+        tier_copies = [
+            (tier, block_hash) for block_hash in targets for tier in self._tiers.purge(block_hash)
+        ]
+        if removed and self.record_events:
+            self._events.append(
+                BlockRemoved(tuple(h for h, _ in removed), tuple(i for _, i in removed))
+            )
+        for rid, first in first_tainted.items():
+            self._abort_tainted(self._requests[rid], first)
+        self._counters.hashes_invalidated += len(targets)
+        return InvalidationReport(
+            tuple(targets), tuple(dropped), tuple(tier_copies), tuple(first_tainted)
+        )
+
+    def _add_descendants(self, targets: dict[BlockHash, None]) -> None:
+        """Add every hash chained after one of ``targets`` (GPU blocks, tier copies)."""
+        children: dict[BlockHash, list[BlockHash]] = {}
+        for block in self._blocks:
+            if block.block_hash is not None and block.parent_hash is not None:
+                children.setdefault(block.parent_hash, []).append(block.block_hash)
+        for child, parent in self._tiers.parents.items():
+            if parent is not None:
+                children.setdefault(parent, []).append(child)
+        queue = list(targets)
+        while queue:
+            for child in children.get(queue.pop(), ()):
+                if child not in targets:
+                    targets[child] = None
+                    queue.append(child)
+
+    def _drop(
+        self, targets: dict[BlockHash, None], removed: list[tuple[BlockHash, int]]
+    ) -> list[int]:
+        """Quarantine every block carrying one of ``targets``; cached ones leave the
+        index (``(hash, id)`` appended to ``removed``). Returns the quarantined ids."""
         dropped: list[int] = []
-        removed_hashes: list[BlockHash] = []
-        removed_ids: list[int] = []
-        for block in blocks:
+        if not targets:
+            return dropped
+        for block in self._blocks:
             block_hash = block.block_hash
             if block_hash is None or block_hash not in targets:
                 continue
             if block.state in MATCHABLE_STATES:
                 del self._index[block_hash]
-                removed_hashes.append(block_hash)
-                removed_ids.append(block.block_id)
+                removed.append((block_hash, block.block_id))
                 if block.ref_cnt == 0:
                     self._free.remove_evictable(block)
             self._quarantine(block, BlockEvent.INVALIDATE)
             if block.ref_cnt == 0:
                 self._free.push(block)
             dropped.append(block.block_id)
-        tier_copies = [
-            (tier, block_hash) for block_hash in targets for tier in self._tiers.purge(block_hash)
-        ]
-        dropped_set = set(dropped)
-        requests = tuple(
-            rid for rid, rec in self._requests.items() if dropped_set.intersection(rec.blocks)
-        )
-        if removed_ids and self.record_events:
-            self._events.append(BlockRemoved(tuple(removed_hashes), tuple(removed_ids)))
-        self._counters.hashes_invalidated += len(targets)
-        return InvalidationReport(tuple(targets), tuple(dropped), tuple(tier_copies), requests)
+        return dropped
+
+    def _taint_tails(self, dropped: set[int], first_tainted: dict[str, int]) -> list[BlockHash]:
+        """For each request holding a block of ``dropped``: note its first such table
+        position in ``first_tainted``, quarantine its later unpublished blocks, and
+        return the hashes of its later cached blocks (to be dropped next)."""
+        blocks = self._blocks
+        more: list[BlockHash] = []
+        for rid, rec in self._requests.items():
+            first = next((i for i, b in enumerate(rec.blocks) if b in dropped), None)
+            if first is None:
+                continue
+            if first_tainted.get(rid, first + 1) > first:
+                first_tainted[rid] = first
+            for block_id in rec.blocks[first + 1 :]:
+                block = blocks[block_id]
+                state = block.state
+                if state in MATCHABLE_STATES:
+                    assert block.block_hash is not None
+                    more.append(block.block_hash)
+                elif state in _TAINT_EVENT:
+                    self._quarantine(block, _TAINT_EVENT[state])
+        return more
+
+    def _abort_tainted(self, rec: RequestRecord, first: int) -> None:
+        """Abort a request whose block ``first`` was tainted: nothing it computed from
+        there on counts as validated, and its in-flight results will be discarded."""
+        size = self.block_size
+        rec.num_validated = min(rec.num_validated, first * size)
+        rec.publish_cursor = min(rec.publish_cursor, first)
+        rec.discarded.extend(rec.pending)
+        rec.pending.clear()
+        if not rec.aborted:
+            rec.aborted = True
+            self._counters.requests_aborted += 1
+        if self.record_events:
+            blocks = self._blocks
+            quarantined = tuple(
+                b for b in rec.blocks[first:] if blocks[b].state is BlockState.QUARANTINED
+            )
+            self._events.append(RequestAborted(rec.request_id, rec.num_validated, quarantined))

@@ -517,9 +517,11 @@ def test_zero_request_tail_never_keeps_a_tainted_prefix() -> None:
     pool.validate_step("a")
     pool.add_request("b", PROMPT)
     hashes = hash_block_tokens(PROMPT, 4)
-    pool.invalidate([hashes[3]])  # block 3 of a is corrupt after all
+    report = pool.invalidate([hashes[3]])  # block 3 of a is corrupt after all
+    assert report.requests == ("a",) and pool.progress("a").aborted
+    assert pool.progress("a").num_validated_tokens == 12  # back to the tainted block
     before = pool.snapshot()
-    with pytest.raises(RollbackError, match="invalidated"):
+    with pytest.raises(RollbackError, match="invalidated KV"):
         pool.zero_request_tail("a", 2)  # would keep tokens 12, 13 of the tainted block
     assert pool.snapshot() == before
     rollback = pool.zero_request_tail("a", 4)  # the whole tainted block goes
