@@ -279,14 +279,14 @@ class BlockSteps(PoolCore):
         num_blocks = self.num_blocks
         # The usual case -- distinct blocks, each written by this step alone: one
         # checking pass, then one applying pass.
-        if len(set(ids)) == len(ids):
-            for block_id in ids:
-                if type(block_id) is not int or not 0 <= block_id < num_blocks:
-                    break
-                block = blocks[block_id]
-                if block.state is not _WRITTEN or block.writers != 1:
-                    break
-            else:
+        for block_id in ids:
+            if type(block_id) is not int or not 0 <= block_id < num_blocks:
+                break
+            block = blocks[block_id]
+            if block.state is not _WRITTEN or block.writers != 1:
+                break
+        else:
+            if len(set(ids)) == len(ids):
                 return self._validate_and_publish(ids, publish)
         # One pass counts the validations off the writers, stopping at the first
         # block with no step left to validate; then the counts are restored and the

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, TypeVar
 
+from kvguard import arguments
 from kvguard.block import Block, BlockInfo
 from kvguard.block_steps import BlockSteps
 from kvguard.errors import PoolMisuseError
@@ -134,7 +135,10 @@ class BlockPool(RequestSteps, Recovery, BlockSteps, TierGate):
         Blocks in ``keep_held`` may stay referenced (a holder's permanent placeholder,
         such as vLLM's null block); they must not be cached.
         """
-        kept = set(keep_held)
+        held = arguments.id_list(keep_held)
+        for block_id in held:
+            self._block(block_id)  # raises UnknownBlockError
+        kept = set(held)
         if any(block.ref_cnt for block in self._blocks if block.block_id not in kept):
             return False
         if any(self._block(b).state in MATCHABLE_STATES for b in kept):

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from kvguard.errors import PoolMisuseError, RollbackError
 from kvguard import arguments
+from kvguard.errors import PoolMisuseError, RollbackError
 from kvguard.pool_core import _VALIDATE, _WRITE, PoolCore, _cdiv
 from kvguard.results import SlotRange, TailRollback
 from kvguard.states import MATCHABLE_STATES, BlockEvent

@@ -176,7 +176,7 @@ class RequestSteps(PoolCore):
                 f"the prefix hit covers more blocks than request {rec.request_id!r} has "
                 "hashes for now; lookup() it again"
             )
-        for i, (block_id, generation) in enumerate(zip(ids, gens)):
+        for i, (block_id, generation) in enumerate(zip(ids, gens, strict=True)):
             block = self._block(block_id)  # UnknownBlockError for an id outside the pool
             if (
                 block.generation != generation

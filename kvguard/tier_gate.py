@@ -44,6 +44,7 @@ class TierGate(PoolCore):
         """The request's blocks that may be copied to ``tier`` now: validated, full,
         hashed, and not already stored or being stored there."""
         rec = self._record(request_id)
+        arguments.tier(tier)
         blocks = self._blocks
         holds = self._tiers.holds
         out: list[int] = []
@@ -59,6 +60,8 @@ class TierGate(PoolCore):
         """Start copying a validated block to ``tier``; raises unless VALIDATED or later."""
         if type(block_id) is not int or not 0 <= block_id < self.num_blocks:
             self._block(block_id)  # raises UnknownBlockError
+        if type(tier) is not str:
+            arguments.tier(tier)
         block = self._blocks[block_id]
         if block.state not in STORABLE_STATES or block.block_hash is None:
             raise NotStorableError(
@@ -70,6 +73,8 @@ class TierGate(PoolCore):
         return self._tiers.issue(block_id, block.block_hash, block.generation, tier)
 
     def _retire(self, ticket: StoreTicket) -> None:
+        if type(ticket) is not StoreTicket:
+            raise UnknownTicketError(f"not a StoreTicket from begin_store(): {ticket!r}")
         held = self._tiers.tickets.get(ticket.ticket_id)
         if held is not ticket and held != ticket:  # (the ticket issued, or an equal copy)
             raise UnknownTicketError(
@@ -103,11 +108,14 @@ class TierGate(PoolCore):
 
     def forget_tier_copy(self, tier: str, block_hash: BlockHash) -> bool:
         """A tier evicted its copy on its own; returns False if it held none."""
-        return self._tiers.drop_copy(block_hash, tier)
+        return self._tiers.drop_copy(
+            arguments.block_hash("block_hash", block_hash), arguments.tier(tier)
+        )
 
     def tier_copies(self, block_hash: BlockHash) -> tuple[str, ...]:
         """Tiers holding an acknowledged copy of ``block_hash``."""
-        return tuple(sorted(self._tiers.copies.get(block_hash, ())))
+        copies = self._tiers.copies.get(arguments.block_hash("block_hash", block_hash), ())
+        return tuple(sorted(copies))
 
     def invalidate(
         self, block_hashes: Iterable[BlockHash], *, descendants: bool = True

@@ -201,3 +201,174 @@ def test_broken_bookkeeping_is_reported_as_corruption() -> None:
     pool._blocks[pool.block_table("a")[0]].ref_cnt = 3  # simulate a kvguard bug
     with pytest.raises(InvariantViolation, match="ref_cnt 3"):
         pool.check_invariants()
+
+
+# ------------------------------------------------------------ every entry point, swept
+#
+# Each public method, each of its arguments replaced by each value of WRONG while the
+# others stay valid: no bare Python error may escape, a typed error leaves the pool as
+# it was, and a value of the wrong type is refused (never accepted and misused).
+# Run with the compiled fast paths and in pure Python.
+
+WRONG: tuple[object, ...] = (
+    None, True, 0, -1, 3, 10**30, 1.5, "x", b"x", (), [], [None], ["a"], [1.5], [-1],
+    [10**30], [[1]], {}, {1: 2}, object(),
+)  # fmt: skip
+
+
+def _ids(v: object) -> bool:
+    return isinstance(v, (list, tuple)) and all(type(x) is int for x in v)
+
+
+def _hashes(v: object) -> bool:
+    return isinstance(v, (list, tuple)) and all(isinstance(x, bytes) for x in v)
+
+
+# What a well-typed value of each kind of argument is (ranges are the method's business:
+# a well-typed value may still be refused, with a typed error).
+KINDS: dict[str, Callable[[object], bool]] = {
+    "request_id": lambda v: isinstance(v, str),
+    "count": lambda v: type(v) is int,
+    "optional_count": lambda v: v is None or type(v) is int,
+    "flag": lambda v: type(v) is bool,
+    "tier": lambda v: isinstance(v, str),
+    "hash": lambda v: isinstance(v, bytes),
+    "optional_hash": lambda v: v is None or isinstance(v, bytes),
+    "ids": _ids,
+    "hashes": _hashes,
+    "optional_hashes": lambda v: v is None or _hashes(v),
+    "tokens": lambda v: isinstance(v, (list, tuple)) and all(type(x) is int for x in v),
+    "salt": lambda v: v is None or isinstance(v, bytes),
+    "retention": lambda v: type(v) is int,
+    "owner": lambda v: isinstance(v, str),
+    "hit": lambda v: v is None,  # only lookup() makes hits
+    "ticket": lambda v: False,  # only begin_store() makes tickets
+    "publish": lambda v: v is None or v == {},
+}
+
+
+def entry_points(w: World) -> dict[str, dict[str, tuple[str, object]]]:
+    """method -> argument -> (kind, a valid value in ``w``)."""
+    p = w.pool
+    pub = p.block_table("published")
+    h = p.block_hash(pub[0])
+    ext = list(w.external)
+    return {
+        "add_request": {
+            "request_id": ("request_id", "new"),
+            "token_ids": ("tokens", [1, 2, 3]),
+            "salt": ("salt", None),
+            "block_hashes": ("optional_hashes", None),
+            "retention": ("retention", 0),
+        },
+        "append_tokens": {"request_id": ("request_id", "pending"), "token_ids": ("tokens", [1])},
+        "append_block_hashes": {
+            "request_id": ("request_id", "fresh"),
+            "block_hashes": ("hashes", []),
+        },
+        "lookup": {"request_id": ("request_id", "twin"), "max_tokens": ("optional_count", None)},
+        "can_allocate": {
+            "request_id": ("request_id", "fresh"),
+            "num_tokens": ("count", 4),
+            "hit": ("hit", None),
+        },
+        "allocate": {
+            "request_id": ("request_id", "fresh"),
+            "num_tokens": ("count", 4),
+            "hit": ("hit", None),
+        },
+        "write": {"request_id": ("request_id", "pending"), "num_tokens": ("count", 1)},
+        "validate_step": {"request_id": ("request_id", "pending")},
+        "fail_step": {"request_id": ("request_id", "pending")},
+        "free": {"request_id": ("request_id", "pending")},
+        "block_table": {"request_id": ("request_id", "pending")},
+        "progress": {"request_id": ("request_id", "pending")},
+        "zero_request_tail": {
+            "request_id": ("request_id", "pending"),
+            "num_tokens": ("optional_count", None),
+        },
+        "storable_blocks": {"request_id": ("request_id", "published"), "tier": ("tier", "cpu")},
+        "allocate_blocks": {"num_blocks": ("count", 1), "write": ("flag", False)},
+        "acquire_blocks": {"block_ids": ("ids", [pub[0]])},
+        "release_blocks": {"block_ids": ("ids", ext), "steps_passed": ("flag", False)},
+        "write_blocks": {"block_ids": ("ids", ext)},
+        "validate_blocks": {"block_ids": ("ids", ext), "publish": ("publish", None)},
+        "fail_blocks": {"block_ids": ("ids", ext)},
+        "publish_block": {
+            "block_id": ("count", ext[0]),
+            "block_hash": ("hash", b"h" * 16),
+            "parent_hash": ("optional_hash", None),
+            "owner": ("owner", ""),
+        },
+        "begin_store": {"block_id": ("count", pub[0]), "tier": ("tier", "cpu")},
+        "ack_store": {"ticket": ("ticket", w.ticket)},
+        "fail_store": {"ticket": ("ticket", w.ticket)},
+        "forget_tier_copy": {"tier": ("tier", "cpu"), "block_hash": ("hash", h)},
+        "tier_copies": {"block_hash": ("hash", h)},
+        "invalidate": {"block_hashes": ("hashes", [h]), "descendants": ("flag", True)},
+        "reset_prefix_cache": {"keep_held": ("ids", ())},
+        "block_info": {"block_id": ("count", 0)},
+        "block_state": {"block_id": ("count", 0)},
+        "block_hash": {"block_id": ("count", 0)},
+        "cached_block_id": {"block_hash": ("hash", h)},
+    }
+
+
+NO_ARGUMENTS = {
+    "check_invariants",
+    "get_num_free_blocks",
+    "snapshot",
+    "stats",
+    "take_blocks_to_zero",
+    "take_events",
+    "take_slots_to_zero",
+}
+
+
+def test_the_sweep_covers_every_public_method_and_argument() -> None:
+    import inspect
+
+    table = entry_points(World())
+    for name, member in inspect.getmembers(BlockPool):
+        if name.startswith("_") or not inspect.isfunction(member):
+            continue
+        params = [p for p in inspect.signature(member).parameters if p != "self"]
+        if name in NO_ARGUMENTS:
+            assert not params, name
+            continue
+        assert name in table, f"BlockPool.{name} is not in the bad-input sweep"
+        assert sorted(table[name]) == sorted(params), name
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["C", "python"])
+@pytest.mark.parametrize("method", sorted(entry_points(World())))
+def test_every_argument_refuses_wrong_values(
+    method: str, compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvguard.fast_path import PURE_PYTHON_ENV, available
+
+    if compiled:
+        monkeypatch.delenv(PURE_PYTHON_ENV, raising=False)
+        if not available():
+            pytest.skip("kvguard._speedups is not built")
+    else:
+        monkeypatch.setenv(PURE_PYTHON_ENV, "1")
+    for arg in entry_points(World())[method]:
+        for wrong in WRONG:
+            world = World()
+            assert (world.pool._fast is not None) is compiled
+            valid = {a: v for a, (_, v) in entry_points(world)[method].items()}
+            kind = entry_points(world)[method][arg][0]
+            valid[arg] = wrong
+            before = world.pool.snapshot()
+            what = f"{method}({arg}={wrong!r})"
+            try:
+                getattr(world.pool, method)(**valid)
+            except KvGuardError as exc:
+                assert str(exc), what
+                assert world.pool.snapshot() == before, f"{what} changed the pool"
+            except Exception as exc:  # a bare Python error escaped: the bug under test
+                raise AssertionError(f"{what} raised {exc!r}") from exc
+            else:
+                assert KINDS[kind](wrong), f"{what} accepted a value of the wrong type"
+            world.pool.check_invariants()
