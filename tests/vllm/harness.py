@@ -1,4 +1,4 @@
-"""Real vLLM 0.33 schedulers on CPU, driven by hand-built model-runner outputs."""
+"""Real vLLM schedulers (0.32 and 0.33) on CPU, driven by hand-built model-runner outputs."""
 
 from __future__ import annotations
 
@@ -50,6 +50,26 @@ from vllm.v1.structured_output import StructuredOutputManager
 from kvguard.adapters.vllm.scheduler import GuardedAsyncScheduler, GuardedScheduler
 
 BLOCK = 16
+
+
+def worker_kv_cache_configs(vllm_config: Any, specs: Any, available_memory: list[int]) -> Any:
+    """The KV cache configs vLLM's EngineCore builds for its workers. (vLLM 0.33 moved
+    ``get_kv_cache_configs`` to ``kv_cache_planning`` and has the caller group the
+    layers first; 0.32 keeps it in ``kv_cache_utils`` and groups them itself. The
+    adapter calls neither: this difference is the tests' own.)"""
+    try:
+        from vllm.v1.core.kv_cache_planning import (
+            get_global_kv_cache_groups,
+            get_kv_cache_configs,
+        )
+    except ImportError:  # vLLM 0.32
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs as configs_032
+
+        return configs_032(vllm_config, specs, available_memory)
+    groups = get_global_kv_cache_groups(vllm_config, specs)
+    return get_kv_cache_configs(vllm_config, specs, available_memory, groups)
+
+
 _MODEL_DIR = tempfile.mkdtemp(prefix="kvguard-vllm-model-")
 with open(os.path.join(_MODEL_DIR, "config.json"), "w") as f:
     json.dump({"architectures": ["OPTForCausalLM"], "model_type": "opt"}, f)

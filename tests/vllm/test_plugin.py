@@ -17,10 +17,6 @@ import vllm  # noqa: E402
 import vllm.v1.worker.gpu_model_runner as v1_runner  # noqa: E402
 from vllm.config.scheduler import SchedulerConfig  # noqa: E402
 from vllm.v1.attention.backends.utils import record_kv_cache_layout  # noqa: E402
-from vllm.v1.core.kv_cache_planning import (  # noqa: E402
-    get_global_kv_cache_groups,
-    get_kv_cache_configs,
-)
 from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig  # noqa: E402
@@ -33,7 +29,14 @@ from kvguard.adapters.vllm.scheduler import (  # noqa: E402
     GuardedScheduler,
 )
 
-from .harness import BLOCK, make_request, make_scheduler, make_vllm_config, step  # noqa: E402
+from .harness import (  # noqa: E402
+    BLOCK,
+    make_request,
+    make_scheduler,
+    make_vllm_config,
+    step,
+    worker_kv_cache_configs,
+)
 
 
 @pytest.fixture
@@ -68,9 +71,8 @@ def _worker_kv_cache_configs() -> list[KVCacheConfig]:
     record_kv_cache_layout(vllm_config.cache_config, "NHD")  # the engine core resolves it
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.float16)
     specs = [{"layer.0": spec, "layer.1": spec}]
-    groups = get_global_kv_cache_groups(vllm_config, specs)
     page = spec.page_size_bytes * 2
-    return get_kv_cache_configs(vllm_config, specs, [page * 512], groups)
+    return worker_kv_cache_configs(vllm_config, specs, [page * 512])
 
 
 def test_without_the_plugin_vllm_skips_worker_zeroing(restore_vllm: pytest.MonkeyPatch) -> None:

@@ -33,7 +33,11 @@ import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
-from kvguard.adapters.vllm._compat import require_supported_vllm
+from kvguard.adapters.vllm._compat import (
+    block_stored_lookahead,
+    event_extra_keys,
+    require_supported_vllm,
+)
 
 if TYPE_CHECKING:
     from kvguard._speedups import FillNotes
@@ -92,28 +96,11 @@ class _FreeQueueOwnedByKvGuard:
 class GuardedBlockPool(BlockPool):
     """vLLM's block pool interface over kvguard's validation-gated pool."""
 
-    def __init__(
-        self,
-        num_gpu_blocks: int,
-        enable_caching: bool,
-        hash_block_size: int,
-        enable_kv_cache_events: bool = False,
-        metrics_collector: Any = None,
-        num_hash_lookahead_tokens: int = 0,
-        *args: Any,
-        guard: GuardConfig | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(
-            num_gpu_blocks,
-            enable_caching,
-            hash_block_size,
-            enable_kv_cache_events,
-            metrics_collector,
-            num_hash_lookahead_tokens,
-            *args,
-            **kwargs,
-        )
+    def __init__(self, *args: Any, guard: GuardConfig | None = None, **kwargs: Any) -> None:
+        # vLLM's own constructor arguments, whatever the series takes (see
+        # _compat.block_pool_kwargs); its settings are read back from the attributes
+        # it sets.
+        super().__init__(*args, **kwargs)
         self.guard = guard if guard is not None else GuardConfig(enabled=False)
         self.core: KvGuardPool | None = None
         self._fill_notes: FillNotes | None = None
@@ -155,14 +142,14 @@ class GuardedBlockPool(BlockPool):
                 setattr(self, name, getattr(BlockPool, name).__get__(self))
             return
         core = KvGuardPool(
-            num_gpu_blocks,
-            hash_block_size,
-            enable_caching=enable_caching,
+            self.num_gpu_blocks,
+            self.hash_block_size,
+            enable_caching=self.enable_caching,
             zero_policy=self.guard.zero_policy,
             check_invariants=self.guard.check_invariants,
             # kvguard's evictions are turned into vLLM's events / metrics when vLLM
             # wants them; otherwise nobody reads kvguard's event queue.
-            record_events=enable_kv_cache_events or metrics_collector is not None,
+            record_events=self.enable_kv_cache_events or self.metrics_collector is not None,
             block_type=GuardedKVCacheBlock,
         )
         # vLLM's null block is block 0, held forever; kvguard hands out block 0 first.
@@ -412,7 +399,7 @@ class GuardedBlockPool(BlockPool):
         if index:
             prev = resolve_block_hashes(request.block_hashes, self.hash_block_size, block_size)
             parent_hash = maybe_convert_block_hash(prev[index - 1])
-        extra_keys, _ = self._generate_event_extra_keys(request, start, end, 0)
+        extra_keys = event_extra_keys(self, request, start, end)
         key = BlockHashWithGroupId(block.block_hash)
         self.kv_event_queue.append(
             self._build_block_stored_event(
@@ -424,9 +411,7 @@ class GuardedBlockPool(BlockPool):
                 block_size=block_size,
                 kv_cache_group_id=group_id,
                 extra_keys_list=[extra_keys],
-                lookahead_token_ids=[self._lookahead_token_ids(request, end)]
-                if self.num_hash_lookahead_tokens
-                else None,
+                **block_stored_lookahead(self, request, end),
             )
         )
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvguard.adapters.vllm._compat import require_supported_vllm
+from kvguard.adapters.vllm._compat import block_pool_kwargs, require_supported_vllm
 
 require_supported_vllm()
 
@@ -62,16 +62,7 @@ def install_guarded_pool(manager: Any, guard: GuardConfig) -> GuardedBlockPool:
                 "kvguard's guarded pool does not support partial-block prefix hits "
                 "(hash_block_size < block_size)"
             )
-    pool = GuardedBlockPool(
-        old.num_gpu_blocks,
-        old.enable_caching,
-        old.hash_block_size,
-        old.enable_kv_cache_events,
-        old.metrics_collector,
-        old.num_hash_lookahead_tokens,
-        medium=old.medium,
-        guard=guard,
-    )
+    pool = GuardedBlockPool(**block_pool_kwargs(old), guard=guard)
     coordinator.block_pool = pool
     manager.block_pool = pool
     for single in managers:

@@ -42,7 +42,7 @@ from collections.abc import Collection
 from itertools import chain
 from typing import Any
 
-from kvguard.adapters.vllm._compat import require_supported_vllm
+from kvguard.adapters.vllm._compat import offload_hooks_are_locked, require_supported_vllm
 
 require_supported_vllm()
 
@@ -333,7 +333,8 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
 
     # ------------------------------------------------------------------ acknowledgements
 
-    def _update_connector_output(self, connector_output: Any) -> None:
+    def _kvguard_take_acknowledgements(self, connector_output: Any) -> None:
+        """Before vLLM completes the store jobs the workers report finished."""
         meta = connector_output.kv_connector_worker_meta
         tickets = self._kvguard_tickets
         if tickets and isinstance(meta, OffloadingWorkerMetadata):
@@ -344,7 +345,6 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
                 if status is None or status.pending_count > count:
                     continue  # other workers still copying
                 self._kvguard_acknowledge(job_id, status)
-        super()._update_connector_output(connector_output)
 
     def _kvguard_acknowledge(self, job_id: int, status: Any) -> None:
         """Every worker finished the job: register its copies in kvguard; a chunk
@@ -377,7 +377,8 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
 
     # ------------------------------------------------------------------ cache reset
 
-    def _reset_cache(self) -> None:
+    def _kvguard_fail_in_flight(self) -> None:
+        """A cache reset flushes every job in flight: their tickets fail."""
         pool = self.kvguard_pool()
         if pool is not None and pool.core is not None:
             for by_key in self._kvguard_tickets.values():
@@ -385,8 +386,30 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
                     for ticket in taken:
                         pool.core.fail_store(ticket)
         self._kvguard_tickets.clear()
-        super()._reset_cache()  # empties the tier
-        self._kvguard_forget_chunks(list(self._kvguard_stored))
+
+    # vLLM's hooks for the workers' output and for a cache reset: under the offloading
+    # manager's lock where vLLM has one (see _compat.offload_hooks_are_locked).
+    if offload_hooks_are_locked():
+
+        def _update_connector_output(self, connector_output: Any) -> None:
+            self._kvguard_take_acknowledgements(connector_output)
+            super()._update_connector_output(connector_output)
+
+        def _reset_cache(self) -> None:
+            self._kvguard_fail_in_flight()
+            super()._reset_cache()  # empties the tier
+            self._kvguard_forget_chunks(list(self._kvguard_stored))
+
+    else:
+
+        def update_connector_output(self, connector_output: Any) -> None:
+            self._kvguard_take_acknowledgements(connector_output)
+            super().update_connector_output(connector_output)
+
+        def reset_cache(self) -> None:
+            self._kvguard_fail_in_flight()
+            super().reset_cache()  # empties the tier
+            self._kvguard_forget_chunks(list(self._kvguard_stored))
 
     def kvguard_in_flight(self) -> dict[int, Collection[Any]]:
         """Store job id -> offload keys of the jobs whose acknowledgement is due."""
@@ -397,7 +420,8 @@ class GuardedOffloadingConnector(OffloadingConnector):
     """vLLM's ``OffloadingConnector`` whose store jobs pass kvguard's tier gate."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
-        # OffloadingConnector.__init__ with the guarded scheduler side (vLLM 0.33).
+        # OffloadingConnector.__init__ with the guarded scheduler side (the same in
+        # vLLM 0.32 and 0.33).
         KVConnectorBase_V1.__init__(self, vllm_config, role, kv_cache_config)
         offloading_config = build_offloading_config(vllm_config, kv_cache_config)
         self._canonical_layout = offloading_config.canonical_layout
