@@ -349,7 +349,8 @@ class BlockSteps(PoolCore):
             block_hash, parent_hash, owner = pending
             if tainted:
                 if parent_hash in tainted:  # chained on KV found corrupt: never matchable
-                    tainted.add(block_hash)
+                    if block_hash not in index:  # (else a sound copy holds that hash)
+                        tainted.add(block_hash)
                     self._counters.tainted_publications_refused += 1
                     continue
                 tainted.discard(block_hash)  # computed afresh, on a sound prefix

@@ -115,6 +115,11 @@ def check_pool(pool: BlockPool) -> None:
     matchable = [b for b in blocks if b.state in MATCHABLE_STATES]
     if len(matchable) != len(pool._index):
         add(f"{len(matchable)} matchable blocks but {len(pool._index)} index entries")
+    # Nothing matchable carries a hash found corrupt (invalidate) and not recomputed.
+    tainted = pool._tainted
+    for block in matchable if tainted else ():
+        if block.block_hash in tainted:
+            add(f"block {block.block_id} is {block.state.name} under a tainted hash")
 
     # Rule 5 and the ledger: each request's blocks agree with its boundaries.
     for rid, rec in pool._requests.items():
@@ -134,7 +139,14 @@ def check_pool(pool: BlockPool) -> None:
             state = blocks[bid].state
             lo, hi = i * size, min((i + 1) * size, rec.num_written)
             if state is S.QUARANTINED:
-                continue  # failed step, or a hash tainted after the fact
+                # A failed step, or a hash tainted after the fact: either way the
+                # request is aborted, and no whole quarantined block counts as validated.
+                if not rec.aborted or rec.num_validated >= lo + size:
+                    add(
+                        f"request {rid!r} holds quarantined block #{i} (id {bid}) but is "
+                        f"{'aborted' if rec.aborted else 'live'} with validated={rec.num_validated}"
+                    )
+                continue
             if lo >= rec.num_written:
                 ok = state is S.ALLOCATED
             elif hi <= rec.num_validated:
@@ -200,6 +212,7 @@ class PoolSnapshot:
     num_events: int
     tickets: tuple[int, ...]
     tier_copies: tuple[tuple[BlockHash, tuple[str, ...]], ...]
+    tainted: tuple[BlockHash, ...]
     counters: Counters
 
 
@@ -231,5 +244,6 @@ def take_snapshot(pool: BlockPool) -> PoolSnapshot:
         num_events=len(pool._events),
         tickets=tuple(sorted(pool._tiers.tickets)),
         tier_copies=tuple(sorted((h, tuple(sorted(t))) for h, t in pool._tiers.copies.items())),
+        tainted=tuple(sorted(pool._tainted)),
         counters=dataclasses.replace(pool._counters),
     )

@@ -329,7 +329,8 @@ class RequestSteps(PoolCore):
             parent = hashes[i - 1] if i else None
             if tainted:
                 if parent in tainted:  # chained on KV found corrupt: never matchable
-                    tainted.add(block_hash)
+                    if block_hash not in index:  # (else a sound copy holds that hash)
+                        tainted.add(block_hash)
                     self._counters.tainted_publications_refused += 1
                     continue
                 tainted.discard(block_hash)  # computed afresh, on a sound prefix

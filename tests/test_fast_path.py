@@ -130,6 +130,7 @@ def observe(pool: BlockPool) -> dict[str, object]:
         "zero_queue": pool._zero.pending_blocks(),
         "events": list(pool._events),
         "snapshot": pool.snapshot(),
+        "tainted": sorted(pool._tainted),
     }
 
 
@@ -186,6 +187,9 @@ class Pair:
                 outcomes.append(Raised(type(exc), str(exc)))
         steps = "\n  ".join(self.log)
         fast_out, pure_out = outcomes
+        for out in outcomes:
+            if isinstance(out, Raised) and not issubclass(out.type, KvGuardError):
+                pytest.fail(f"{what} raised a bare {out.type.__name__}: {out}\nsteps:\n  {steps}")
         assert fast_out == pure_out, (
             f"{what}: C returned {fast_out!r}, Python {pure_out!r}\nsteps:\n  {steps}"
         )
@@ -467,6 +471,82 @@ class FastPathMachine(RuleBasedStateMachine):
     @rule(request_id=st.sampled_from(REQUEST_IDS))
     def free_request(self, request_id: str) -> None:
         self.pair.call("free", request_id)
+
+    @rule(
+        request_id=st.sampled_from(REQUEST_IDS),
+        num_tokens=st.integers(1, 2 * BLOCK_SIZE),
+        passed=st.booleans(),
+    )
+    def request_continues(self, request_id: str, num_tokens: int, passed: bool) -> None:
+        """An open request's next step, in whatever order the rules left it (aborted by a
+        failed step or an invalidation, freed, rolled back): typed errors, or a step."""
+
+        def step(pool: BlockPool) -> object:
+            progress = pool.progress(request_id)
+            pool.allocate(request_id, progress.num_written_tokens + num_tokens)
+            pool.write(request_id, num_tokens)
+            return pool.validate_step(request_id) if passed else pool.fail_step(request_id)
+
+        self.pair.run(
+            f"request_continues({request_id!r}, {num_tokens}, {passed=})", step, atomic=False
+        )
+
+    @rule(
+        request_id=st.sampled_from(REQUEST_IDS),
+        num_tokens=st.one_of(st.none(), st.integers(0, 2 * BLOCK_SIZE)),
+    )
+    def zero_request_tail(self, request_id: str, num_tokens: int | None) -> None:
+        self.pair.call("zero_request_tail", request_id, num_tokens)
+
+    @rule(data=st.data(), reopen=st.booleans())
+    def stale_hit(self, data: st.DataObject, reopen: bool) -> None:
+        """A hit used after its request was freed and reopened under the same id, or by
+        a request that already holds blocks: refused, nothing changed."""
+        request_id = data.draw(st.sampled_from(REQUEST_IDS))
+        hashes = data.draw(st.lists(st.sampled_from(HASHES), min_size=1, max_size=3, unique=True))
+
+        def use(pool: BlockPool) -> object:
+            if request_id not in pool.request_ids:
+                pool.add_request(request_id, block_hashes=hashes)
+            hit = pool.lookup(request_id)
+            if reopen:
+                pool.free(request_id)
+                pool.add_request(request_id, block_hashes=hashes[::-1])
+            return pool.allocate(request_id, len(hashes) * BLOCK_SIZE, hit=hit)
+
+        self.pair.run(f"stale_hit({request_id!r}, {hashes!r}, {reopen=})", use, atomic=False)
+
+    @rule(
+        data=st.data(),
+        method=st.sampled_from(["publish_block", "fail_blocks", "validate_blocks", "write_blocks"]),
+    )
+    def block_level_on_request_blocks(self, data: st.DataObject, method: str) -> None:
+        """Block-level calls naming blocks that request block tables hold."""
+        held = self.pair.ids_where(lambda b: b.ref_cnt > b.external_refs)
+        block_id = self._draw_id(data, held)
+        if method == "publish_block":
+            self.pair.call(method, block_id, HASHES[0], None, owner="x")
+        else:
+            self.pair.call(method, [block_id])
+
+    @rule(
+        method=st.sampled_from(
+            ["validate_blocks", "release_blocks", "acquire_blocks", "fail_blocks",
+             "write_blocks", "invalidate", "lookup", "free", "allocate_blocks", "ack_store",
+             "begin_store", "reset_prefix_cache", "append_block_hashes"]
+        ),
+        junk=st.sampled_from([None, 7, "ab", b"ab", [None], [[1]], {1: (b"h", 2, 3)}, 1.5]),
+    )  # fmt: skip
+    def junk_argument(self, method: str, junk: object) -> None:
+        """A wrong type where a call expects ids, hashes, a ticket or a request id."""
+        if method == "reset_prefix_cache":
+            self.pair.call(method, keep_held=junk)
+        elif method == "validate_blocks":
+            self.pair.call(method, self.pair.held()[:1], junk)
+        elif method == "append_block_hashes":
+            self.pair.call(method, REQUEST_IDS[0], junk)
+        else:
+            self.pair.call(method, junk)
 
     @rule(data=st.data())
     def offload(self, data: st.DataObject) -> None:
