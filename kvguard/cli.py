@@ -3,6 +3,9 @@
 ``kvguard simulate`` runs the fault-injection simulator (needs the ``sim`` extra:
 ``pip install 'kvguard[sim]'``). The simulator and torch are imported only inside the
 subcommand, so ``kvguard --help`` works with the core package alone.
+
+Errors are one line on stderr, never a traceback (``KVGUARD_TRACEBACK=1`` shows the
+traceback of a crash); the exit status says which kind of failure it was.
 """
 
 from __future__ import annotations
@@ -10,13 +13,53 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 EXIT_OK = 0
 EXIT_ESCAPES = 1
-"""A kvguard policy let corrupt KV reach a request (or the engine misbehaved)."""
+"""A kvguard policy let corrupt KV reach a request: the finding the simulator exists for."""
 EXIT_USAGE = 2
+"""Bad arguments or settings (nothing was run)."""
 EXIT_MISSING_DEPS = 3
+"""The ``sim`` extra is not installed."""
+EXIT_CRASH = 4
+"""The simulator itself failed (a bug: please report it with ``KVGUARD_TRACEBACK=1``)."""
+EXIT_INTERRUPTED = 130
+"""Stopped by Ctrl-C (128 + SIGINT, as shells report it); no report was written."""
+TRACEBACK_ENV = "KVGUARD_TRACEBACK"
+
+EXIT_CODES_HELP = (
+    f"exit status: {EXIT_OK} ok; {EXIT_ESCAPES} a kvguard policy let corruption escape; "
+    f"{EXIT_USAGE} bad arguments; {EXIT_MISSING_DEPS} the 'sim' extra is missing; "
+    f"{EXIT_CRASH} the simulator crashed; {EXIT_INTERRUPTED} interrupted (Ctrl-C)"
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (no usage block) and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _fail(message: str) -> None:
+    print(f"kvguard simulate: {message}", file=sys.stderr)
+
+
+def _count(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
 
 _SIM_POLICIES = ("eager", "defer-zero-all", "kvguard", "kvguard-audit")
 _SIM_FAULTS = ("kv", "logits", "rank", "kv-late")
@@ -47,16 +90,17 @@ def _rates(text: str) -> tuple[float, ...]:
     return tuple(_rate(x) for x in text.split(",") if x.strip())
 
 
-def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_simulate(sub: argparse._SubParsersAction[_Parser]) -> None:
     p = sub.add_parser(
         "simulate",
+        epilog=EXIT_CODES_HELP,
         help="fault-injection simulator: NaN KV through a prefix cache, with and without kvguard",
         description=(
             "Run a tiny transformer over a real paged KV cache managed by kvguard.BlockPool, "
             "inject faults (NaN KV, NaN logits, rank failures), and compare policies against "
             "a fault-free run of the same workload. Prints a table per policy and writes "
             "report.json and sweep.png to --out. Exits 1 if a kvguard policy lets any "
-            "corruption escape."
+            "corruption escape (other failures have exit codes of their own, below)."
         ),
     )
     p.add_argument(
@@ -99,17 +143,20 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--seed", type=int, default=None, help="workload and fault seed (default: the scenario's)"
     )
     p.add_argument(
-        "--requests", type=int, default=None, help="number of requests (default: the scenario's)"
+        "--requests",
+        type=_count(1),
+        default=None,
+        help="number of requests (default: the scenario's)",
     )
     p.add_argument(
         "--num-blocks",
-        type=int,
+        type=_count(1),
         default=None,
         help="GPU KV blocks in the pool (default: the scenario's)",
     )
     p.add_argument(
         "--tier-blocks",
-        type=int,
+        type=_count(0),
         default=None,
         help="CPU offload tier capacity in blocks, 0 for none (default: the scenario's)",
     )
@@ -175,19 +222,50 @@ def _simulate(args: argparse.Namespace) -> int:
         async_scheduling=args.async_scheduling,
         check_invariants=args.check_invariants,
     )
-    policies = [POLICIES[name] for name in args.policies]
-    os.makedirs(args.out, exist_ok=True)
-    with Progress(scenario, len(policies), enabled=not args.no_progress) as progress:
-        report = simulate(
-            scenario,
-            policies,
-            sweep=scenario.sweep,
-            on_run=progress.run,
-            on_step=progress.step,
+    problems = scenario.problems()
+    if problems:
+        _fail("; ".join(problems))
+        return EXIT_USAGE
+    need, have = scenario.memory_bytes(), _available_memory()
+    if have is not None and need > have:
+        _fail(
+            f"this run needs about {need / 2**30:.1f} GiB and {have / 2**30:.1f} GiB is "
+            "available; lower --num-blocks, --tier-blocks or --requests"
         )
+        return EXIT_USAGE
+    problem = _unwritable(args.out)
+    if problem:
+        _fail(f"cannot write the report to --out {args.out!r}: {problem}")
+        return EXIT_USAGE
+    policies = [POLICIES[name] for name in args.policies]
+    progress = Progress(scenario, len(policies), enabled=not args.no_progress)
+    try:
+        with progress:
+            report = simulate(
+                scenario,
+                policies,
+                sweep=scenario.sweep,
+                on_run=progress.run,
+                on_step=progress.step,
+            )
+    except KeyboardInterrupt:
+        _fail(f"interrupted during {progress.current!r}: no report written")
+        return EXIT_INTERRUPTED
+    except Exception as exc:
+        if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+            raise
+        _fail(
+            f"crashed during {progress.current!r}: {type(exc).__name__}: {exc} "
+            f"(rerun with {TRACEBACK_ENV}=1 for the traceback)"
+        )
+        return EXIT_CRASH
     print(format_report(report))
     json_path = os.path.join(args.out, "report.json")
-    write_json(report, json_path)
+    try:
+        write_json(report, json_path)
+    except OSError as exc:  # checked writable before the run: the disk filled, say
+        _fail(f"cannot write {json_path}: {exc.strerror or exc}")
+        return EXIT_CRASH
     print(f"\nwrote {json_path}", end="")
     if not args.no_plot and report.sweep:
         try:
@@ -206,8 +284,32 @@ def _simulate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _available_memory() -> int | None:
+    """Bytes of memory available to a new run (Linux's MemAvailable), if known."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _unwritable(out: str) -> str | None:
+    """Why the report cannot be written to directory ``out`` (None: it can), found
+    before the run by creating it and a scratch file in it."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvguard",
         description="kvguard: a KV-cache block pool that shares or offloads KV only after "
         "it was validated.",
@@ -219,12 +321,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except KeyboardInterrupt:  # (an import in an argument type, for instance)
+        return EXIT_INTERRUPTED
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()
         return EXIT_USAGE
-    result: int = func(args)
+    try:
+        result: int = func(args)
+    except KeyboardInterrupt:
+        _fail("interrupted: no report written")
+        return EXIT_INTERRUPTED
     return result
 
 

@@ -130,6 +130,44 @@ class Scenario:
     check_invariants: bool = False
     """Run ``BlockPool.check_invariants`` after every pool mutation (slow; tests)."""
 
+    def problems(self) -> list[str]:
+        """Why this scenario cannot run, one line each (empty: it can). Checked before a
+        run, so that a bad size is an input error, not a crash half-way through."""
+        out: list[str] = []
+        for name in ("num_blocks", "num_requests", "block_size", "max_batched_tokens"):
+            value = getattr(self, name)
+            if value < 1:
+                out.append(f"{name} must be at least 1, got {value}")
+        if self.tier_blocks < 0:
+            out.append(f"tier_blocks must be 0 (no tier) or more, got {self.tier_blocks}")
+        if out:
+            return out
+        longest = self.system_prompt_tokens + self.user_tokens[1] + self.max_new_tokens[1]
+        if longest > self.model.max_position:
+            out.append(
+                f"a request may reach {longest} tokens, past the model's "
+                f"{self.model.max_position} positions"
+            )
+        need = -(-longest // self.block_size)
+        if need > self.num_blocks:
+            out.append(
+                f"num_blocks={self.num_blocks} is too small: the longest request needs "
+                f"{need} blocks of {self.block_size} tokens"
+            )
+        return out
+
+    def memory_bytes(self) -> int:
+        """A generous estimate of the peak memory a run takes: the KV cache and the
+        tier's copies (float32, every layer), the pool's records, the workload."""
+        m = self.model
+        block_bytes = m.num_layers * 2 * self.block_size * m.num_heads * m.head_dim * 4
+        per_block = block_bytes + 512  # the pool's and the cache's bookkeeping
+        longest = self.system_prompt_tokens + self.user_tokens[1] + self.max_new_tokens[1]
+        per_request = 64 * longest + 2048  # token lists, outputs, per-request records
+        return 2 * ((self.num_blocks + self.tier_blocks) * per_block) + (
+            self.num_requests * per_request
+        )
+
     def with_overrides(self, **changes: object) -> Scenario:
         """A copy with the given fields replaced (``None`` values are ignored)."""
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})  # type: ignore[arg-type]

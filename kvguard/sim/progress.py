@@ -38,6 +38,11 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
 
+    @property
+    def current(self) -> str:
+        """The run going on now ("setup" before the first)."""
+        return self._label or "setup"
+
     def run(self, label: str) -> None:
         """A new run starts (the previous one, if any, is done)."""
         if self._label and self._bar is not None:
