@@ -115,6 +115,7 @@ class BlockPool(RequestSteps, Recovery, BlockSteps, TierGate):
         self._index_view = MappingProxyType(self._index)
         if check_invariants is None:
             check_invariants = os.environ.get(CHECK_INVARIANTS_ENV, "") not in ("", "0")
+        arguments.flag("check_invariants", check_invariants)
         if check_invariants:
             for name in _MUTATORS:
                 setattr(self, name, self._checked(getattr(self, name)))

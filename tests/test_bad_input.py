@@ -185,11 +185,20 @@ def test_misuse_and_corruption_are_different_families() -> None:
 
 
 def test_bad_constructor_arguments() -> None:
-    for args in ((0, 4), (4, 0), (-1, 4), (4.0, 4)):
+    for args in ((0, 4), (4, 0), (-1, 4), (4.0, 4), ("4", 4), (None, 4), (True, 4)):
         with pytest.raises(PoolMisuseError):
-            BlockPool(*args)
-    with pytest.raises(PoolMisuseError):
-        BlockPool(4, 4, zero_policy="all")  # type: ignore[arg-type]
+            BlockPool(*args)  # type: ignore[arg-type]
+    wrong: list[dict[str, Any]] = [
+        {"zero_policy": "all"},
+        {"hasher": "blake2b"},  # not callable: refused now, not at the first lookup
+        {"enable_caching": 1},
+        {"record_events": None},
+        {"block_type": dict},
+        {"check_invariants": "yes"},
+    ]
+    for kwargs in wrong:
+        with pytest.raises(PoolMisuseError):
+            BlockPool(4, 4, **kwargs)
     assert BlockPool(4, 4, zero_policy=ZeroPolicy.ALL).zero_policy is ZeroPolicy.ALL
 
 
