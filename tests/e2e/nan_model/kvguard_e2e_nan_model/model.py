@@ -1,0 +1,97 @@
+"""A Llama that poisons its own hidden states with NaN, on a schedule its prompts carry.
+
+Faults are armed by *trigger tokens*: token ``TRIGGER + d`` (``0 <= d < SPAN``) at
+position ``p`` of a prompt arms one fault at position ``p + d``. The row that computes
+that position gets NaN embeddings: its K and V in every layer are NaN, and so are the
+logits of that row and of every later token of its request (they attend to it). Each
+armed fault fires once; a trigger seen again at the same position (a retry recomputing
+it, another request sharing the prefix) does not re-arm it -- the fault is transient,
+like the hardware faults it stands for. So:
+
+* ``d = 0``: the fault fires on the trigger's own row, in the prefill step that
+  computes it (with chunked prefill: the chunk that holds it);
+* ``d`` past the prompt's end: it fires in the decode step that computes position
+  ``p + d`` (with speculative decoding: the verification step whose rows reach it).
+
+For ``d > 0`` the model does not know which request a later row belongs to: the fault
+fires on the first row at position ``p + d`` after the trigger, in whatever request.
+The tests keep other running requests away from armed positions.
+
+State lives on the model instance: every engine (stock or guarded, in one process or
+several) starts fault-free. ``fired`` records ``(position, trigger)`` of every fault
+that fired, for tests that ask the worker (``collective_rpc``/``apply_model``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.model_executor.models.llama import LlamaForCausalLM
+
+TRIGGER = 900
+"""The first trigger token id (the model's vocabulary must reach TRIGGER + SPAN)."""
+SPAN = 100
+"""Trigger ids: TRIGGER .. TRIGGER + SPAN - 1; trigger TRIGGER + d fires d tokens on."""
+
+
+class NanLlamaForCausalLM(LlamaForCausalLM):
+    """``LlamaForCausalLM`` with trigger-token NaN faults (see the module doc)."""
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
+        # (vLLM reads this signature: keyword-only vllm_config and prefix.)
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self.armed: set[int] = set()
+        """Positions where an armed fault fires next."""
+        self.seen: set[tuple[int, int]] = set()
+        """(trigger position, trigger token) pairs that armed a fault."""
+        self.fired: list[tuple[int, int]] = []
+        """(position, trigger token) of every fault fired, in order."""
+        self._origin: dict[int, int] = {}
+        self.faults_enabled = True
+        """False: trigger tokens are plain tokens (an engine giving fault-free
+        reference outputs; set with ``LLM.apply_model``)."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        if self.faults_enabled and input_ids is not None and inputs_embeds is None:
+            poison = self._rows_to_poison(input_ids, positions)
+            if poison:
+                inputs_embeds = self.embed_input_ids(input_ids)
+                inputs_embeds[poison] = float("nan")
+                input_ids = None
+        return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
+
+    def compute_logits(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        # Trigger tokens are never sampled: a generated trigger would arm a fault no
+        # test asked for. (-inf, not NaN: NaN counts see only the injected faults.)
+        logits = super().compute_logits(hidden_states, *args, **kwargs)
+        if logits is not None:
+            logits[..., TRIGGER : TRIGGER + SPAN] = float("-inf")
+        return logits
+
+    def _rows_to_poison(self, input_ids: torch.Tensor, positions: torch.Tensor) -> list[int]:
+        ids = input_ids.tolist()
+        pos = positions.tolist()
+        n = len(ids)
+        out = []
+        armed = self.armed
+        for i in range(n):
+            token = ids[i]
+            if TRIGGER <= token < TRIGGER + SPAN and (pos[i], token) not in self.seen:
+                # Arm a fault d tokens on; d == 0 fires on this very row (below).
+                self.seen.add((pos[i], token))
+                target = pos[i] + token - TRIGGER
+                armed.add(target)
+                self._origin[target] = token
+            if armed and pos[i] in armed:
+                armed.discard(pos[i])
+                self.fired.append((pos[i], self._origin.pop(pos[i])))
+                out.append(i)
+        return out
