@@ -259,7 +259,7 @@ class BlockSteps(PoolCore):
         object per call (callers batch a whole step's blocks into one call).
         """
         ids = block_ids if type(block_ids) is list else arguments.id_list(block_ids)
-        if publish is not None:
+        if publish is not None and (type(publish) is not dict or publish):
             arguments.publications(publish)
             if publish and not self.enable_caching:
                 raise PoolMisuseError("validate_blocks(publish=...) needs enable_caching=True")
