@@ -49,10 +49,6 @@ def block_hash(name: str, value: object) -> BlockHash:
     return value  # type: ignore[return-value]
 
 
-def optional_block_hash(name: str, value: object) -> BlockHash | None:
-    return None if value is None else block_hash(name, value)
-
-
 def _listed(name: str, values: object) -> list[Any]:
     """``values`` as a list; one bare id or hash (or a str/bytes, iterable as its
     items) is refused, not iterated."""

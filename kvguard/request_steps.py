@@ -167,6 +167,7 @@ class RequestSteps(PoolCore):
             and type(gens) is tuple
             and len(ids) == len(gens)
             and hit.num_tokens == len(ids) * self.block_size
+            and all(type(x) is int for x in ids + gens)
             and len(set(ids)) == len(ids)
         ):
             raise PoolMisuseError(f"malformed prefix hit (not as lookup() made it): {hit!r}")

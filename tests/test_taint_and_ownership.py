@@ -209,6 +209,8 @@ def test_forged_and_foreign_hits_are_refused() -> None:
         (dataclasses.replace(hit, num_tokens=8), PoolMisuseError),
         (dataclasses.replace(hit, generations=hit.generations[:2]), PoolMisuseError),
         (dataclasses.replace(hit, block_ids=(blocks[0],) * 3), PoolMisuseError),
+        (dataclasses.replace(hit, block_ids=([1],) + blocks[1:]), PoolMisuseError),  # type: ignore[arg-type]
+        (dataclasses.replace(hit, block_ids=list(blocks)), PoolMisuseError),  # type: ignore[arg-type]
         ("not a hit", PoolMisuseError),
     ]
     for forged, error in bad:
