@@ -187,7 +187,7 @@ def test_misuse_and_corruption_are_different_families() -> None:
 def test_bad_constructor_arguments() -> None:
     for args in ((0, 4), (4, 0), (-1, 4), (4.0, 4), ("4", 4), (None, 4), (True, 4)):
         with pytest.raises(PoolMisuseError):
-            BlockPool(*args)  # type: ignore[arg-type]
+            BlockPool(*args)
     wrong: list[dict[str, Any]] = [
         {"zero_policy": "all"},
         {"hasher": "blake2b"},  # not callable: refused now, not at the first lookup
