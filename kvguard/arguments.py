@@ -54,6 +54,8 @@ def _listed(name: str, values: object) -> list[Any]:
     items) is refused, not iterated."""
     if type(values) is list:
         return values
+    if type(values) is tuple:  # (no ABC checks on the common path)
+        return list(values)
     if isinstance(values, (str, bytes, bytearray, Mapping)) or not isinstance(values, Iterable):
         raise PoolMisuseError(f"{name} must be a list or other iterable, got {values!r}")
     return list(values)
@@ -65,20 +67,25 @@ def id_list(values: object) -> list[int]:
     return _listed("block_ids", values)
 
 
+_BYTES = frozenset({bytes})
+
+
 def hash_list(name: str, values: object) -> list[BlockHash]:
     hashes = _listed(name, values)
-    for value in hashes:
-        if not isinstance(value, bytes):
-            raise PoolMisuseError(f"{name} must hold block hashes (bytes), got {value!r}")
+    if not _BYTES.issuperset(map(type, hashes)):  # (one C-level pass for plain bytes)
+        for value in hashes:
+            if not isinstance(value, bytes):
+                raise PoolMisuseError(f"{name} must hold block hashes (bytes), got {value!r}")
     return hashes
 
 
 def token_array(values: object) -> array[int]:
     """Token ids as a compact int64 array; bad ids fail here, not mid-publication."""
-    if isinstance(values, (str, bytes, bytearray, Mapping)) or not isinstance(values, Iterable):
-        raise PoolMisuseError(f"token_ids must be a sequence of ints, got {values!r}")
-    if isinstance(values, array) and values.typecode != "q":
-        values = values.tolist()
+    if type(values) is not list and type(values) is not tuple:  # (the common path: no ABCs)
+        if isinstance(values, (str, bytes, bytearray, Mapping)) or not isinstance(values, Iterable):
+            raise PoolMisuseError(f"token_ids must be a sequence of ints, got {values!r}")
+        if isinstance(values, array) and values.typecode != "q":
+            values = values.tolist()
     try:
         return array("q", values)
     except (TypeError, OverflowError) as exc:

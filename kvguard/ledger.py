@@ -18,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvguard.hashing import BlockHash
+from kvguard.results import PrefixHit
 
 
 @dataclass(slots=True, eq=False)
@@ -39,6 +40,8 @@ class RequestRecord:
     """End positions of steps that were in flight when the request aborted; their
     results are still expected and are discarded when they arrive."""
     aborted: bool = False
+    hit: PrefixHit | None = None
+    """The prefix hit the latest lookup() returned: the one allocate() accepts."""
     publish_cursor: int = 0
     """Leading blocks whose publication was already decided (published, a hit, or a
     duplicate of a hash someone else published first)."""

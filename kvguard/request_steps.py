@@ -138,52 +138,34 @@ class RequestSteps(PoolCore):
         counters.lookups += 1
         counters.lookup_query_tokens += limit
         counters.lookup_hit_tokens += len(ids) * size
-        return PrefixHit(request_id, tuple(ids), tuple(gens), len(ids) * size, origin=rec)
+        hit = rec.hit = PrefixHit(request_id, tuple(ids), tuple(gens), len(ids) * size)
+        return hit
 
     def _check_hit(self, rec: RequestRecord, hit: object) -> PrefixHit:
-        """The hit, if :meth:`lookup` made it for this very request (not an earlier one
-        under the same id, nor another pool's) and every block of it still holds what
-        it held then; else a typed error."""
+        """The hit, if it is the one :meth:`lookup` last returned for this very request
+        (not an earlier request under the same id, nor another pool's, nor a copy) and
+        every block of it still holds what it held then; else a typed error."""
         if not isinstance(hit, PrefixHit):
             raise PoolMisuseError(f"hit must be a PrefixHit from lookup(), got {hit!r}")
         if hit.request_id != rec.request_id:
             raise PoolMisuseError(
                 f"prefix hit belongs to request {hit.request_id!r}, not {rec.request_id!r}"
             )
-        if hit.origin is not rec:
+        if hit is not rec.hit:
             raise StaleHitError(
-                f"this prefix hit was not looked up for request {rec.request_id!r} as it is "
-                "open now (an earlier request with that id, another pool, or built by hand); "
-                "lookup() it again"
+                f"this prefix hit is not the one lookup() last returned for request "
+                f"{rec.request_id!r} as it is open now (an earlier request with that id, "
+                "another pool's, a copy or built by hand); lookup() it again"
             )
         if rec.blocks:
             raise PoolMisuseError(
                 f"request {rec.request_id!r} already holds blocks; a prefix hit is only "
                 "used by its first allocation"
             )
-        ids, gens = hit.block_ids, hit.generations
-        if not (
-            type(ids) is tuple
-            and type(gens) is tuple
-            and len(ids) == len(gens)
-            and hit.num_tokens == len(ids) * self.block_size
-            and all(type(x) is int for x in ids + gens)
-            and len(set(ids)) == len(ids)
-        ):
-            raise PoolMisuseError(f"malformed prefix hit (not as lookup() made it): {hit!r}")
-        hashes = rec.block_hashes  # lookup() hashed at least as many blocks as it hit
-        if len(ids) > len(hashes):
-            raise StaleHitError(
-                f"the prefix hit covers more blocks than request {rec.request_id!r} has "
-                "hashes for now; lookup() it again"
-            )
-        for i, (block_id, generation) in enumerate(zip(ids, gens, strict=True)):
-            block = self._block(block_id)  # UnknownBlockError for an id outside the pool
-            if (
-                block.generation != generation
-                or block.state not in MATCHABLE_STATES
-                or block.block_hash != hashes[i]
-            ):
+        blocks = self._blocks
+        for block_id, generation in zip(hit.block_ids, hit.generations, strict=True):
+            block = blocks[block_id]
+            if block.generation != generation or block.state not in MATCHABLE_STATES:
                 raise StaleHitError(
                     f"block {block_id} of the prefix hit was evicted or invalidated since "
                     "lookup(); look the request up again"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvguard.hashing import BlockHash
 
@@ -13,16 +13,15 @@ class PrefixHit:
     """The longest matchable prefix of a request, as found by :meth:`BlockPool.lookup`.
 
     ``generations`` lets :meth:`BlockPool.allocate` refuse the hit if any block was
-    evicted or invalidated between the lookup and the allocation.
+    evicted or invalidated between the lookup and the allocation. Only the very object
+    the request's latest lookup returned is accepted: a hit kept from before the id
+    was freed and reopened, another pool's, a copy or one built by hand is refused.
     """
 
     request_id: str
     block_ids: tuple[int, ...]
     generations: tuple[int, ...]
     num_tokens: int
-    origin: object = field(default=None, repr=False, compare=False)
-    """The pool's record of the request the hit was looked up for: a hit is refused
-    by a later request under the same id, by another pool, and when built by hand."""
 
     @property
     def num_blocks(self) -> int:

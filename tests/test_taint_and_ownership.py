@@ -15,11 +15,11 @@ from kvguard import (
     ForeignBlockError,
     NotStorableError,
     PoolMisuseError,
+    PrefixHit,
     RequestAborted,
     RequestAbortedError,
     StaleHitError,
     StepOutcome,
-    UnknownBlockError,
 )
 from kvguard.fast_path import PURE_PYTHON_ENV, available
 
@@ -202,15 +202,12 @@ def test_forged_and_foreign_hits_are_refused() -> None:
     blocks = hit.block_ids
     bad = [
         (other.lookup("B"), StaleHitError),  # another pool's
-        (dataclasses.replace(hit, origin=None), StaleHitError),  # built by hand
+        (dataclasses.replace(hit), StaleHitError),  # a copy
         (dataclasses.replace(hit, block_ids=(blocks[1], blocks[0], blocks[2])), StaleHitError),
-        (dataclasses.replace(hit, block_ids=(99,) + blocks[1:]), UnknownBlockError),
-        (dataclasses.replace(hit, block_ids=(-1,) + blocks[1:]), UnknownBlockError),
-        (dataclasses.replace(hit, num_tokens=8), PoolMisuseError),
-        (dataclasses.replace(hit, generations=hit.generations[:2]), PoolMisuseError),
-        (dataclasses.replace(hit, block_ids=(blocks[0],) * 3), PoolMisuseError),
-        (dataclasses.replace(hit, block_ids=([1],) + blocks[1:]), PoolMisuseError),  # type: ignore[arg-type]
-        (dataclasses.replace(hit, block_ids=list(blocks)), PoolMisuseError),  # type: ignore[arg-type]
+        (dataclasses.replace(hit, block_ids=(99,) + blocks[1:]), StaleHitError),
+        (dataclasses.replace(hit, num_tokens=8), StaleHitError),
+        (PrefixHit("B", blocks, hit.generations, 12), StaleHitError),  # built by hand
+        (dataclasses.replace(hit, request_id="A"), PoolMisuseError),
         ("not a hit", PoolMisuseError),
     ]
     for forged, error in bad:
