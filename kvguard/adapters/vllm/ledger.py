@@ -8,7 +8,9 @@ validated by the step that fills it; a decode step writing into a partial block 
 bookkeeping at all (that block is validated by the step that fills it, or when its
 request ends cleanly). A request that is freed or preempted is dropped from every
 in-flight step: the output that still arrives for it must validate nothing (its blocks
-were quarantined on release, and may already belong to someone else).
+were quarantined on release, and may already belong to someone else). A step whose
+output never arrives (vLLM's fault-tolerance drain) is dropped when a later step's
+output does (:meth:`StepLedger.skip_to`), so the ledger holds the steps in flight only.
 """
 
 from __future__ import annotations
@@ -60,6 +62,19 @@ class StepLedger:
         if self._steps and self._steps[0].token is token:
             return self._steps.popleft()
         return None
+
+    def skip_to(self, token: object) -> list[StepRecord]:
+        """The steps scheduled before ``token``'s, removed: their outputs never come
+        (vLLM's fault tolerance aborts every request and drops the outputs of the
+        steps in flight), since outputs arrive in step order. Nothing when ``token``
+        is not in the ledger."""
+        steps = self._steps
+        if not any(record.token is token for record in steps):
+            return []
+        lost = []
+        while steps[0].token is not token:
+            lost.append(steps.popleft())
+        return lost
 
     def in_flight(self, request_id: str) -> bool:
         """Whether a step scheduled with the request has not reported back yet."""

@@ -40,6 +40,9 @@ class GuardMetrics:
     window_contract_breaks: int = 0
     """Window frees of blocks a step in flight may still write (vLLM frees only below
     a request's processed tokens): the blocks were quarantined. Expected to stay 0."""
+    steps_lost: int = 0
+    """Scheduled steps whose output never came back (vLLM's fault tolerance drops the
+    outputs of the steps in flight): what they filled waits for a counted step."""
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -55,6 +58,7 @@ _HELP = {
     "window_contract_breaks": (
         "Window frees of blocks a step in flight may still write (quarantined)"
     ),
+    "steps_lost": "Scheduled steps whose output never came back (engine fault tolerance)",
 }
 
 CONNECTOR_HELP = {

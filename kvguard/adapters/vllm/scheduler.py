@@ -50,7 +50,7 @@ from kvguard.block import PendingPublication  # noqa: E402
 
 from .block_pool import GuardModeUnsupported  # noqa: E402
 from .config import GuardConfig, GuardConfigError  # noqa: E402
-from .ledger import StepLedger  # noqa: E402
+from .ledger import StepLedger, StepRecord  # noqa: E402
 from .manager import install_guarded_pool  # noqa: E402
 from .metrics import GuardMetrics, connector_counters, register_prometheus  # noqa: E402
 from .plugin import GUARD_ENV, stock_needs_zeroing, worker_counts_per_request  # noqa: E402
@@ -285,13 +285,13 @@ class _GuardMixin:
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         pool = self.kvguard_pool
-        record = None
-        if pool.core is not None:
-            record = self._kvguard_ledger.close(scheduler_output)
-        if record is None:
+        if pool.core is None:
             return super().update_from_output(  # type: ignore[misc]
                 scheduler_output, model_runner_output
             )
+        record = self._kvguard_ledger.close(scheduler_output)
+        if record is None:
+            record = self._kvguard_resync(scheduler_output)
         scheduled = record.scheduled
         nans = model_runner_output.num_nans_in_logits
         if nans is None:
@@ -390,6 +390,40 @@ class _GuardMixin:
                 )
             )
         return outputs
+
+    def _kvguard_resync(self, scheduler_output: Any) -> StepRecord:
+        """The record of an output that is not the oldest step in flight.
+
+        Outputs arrive in step order, so the steps scheduled before this one never
+        report back: vLLM's engine fault tolerance aborted every request and dropped
+        the outputs of the steps in flight (0.33 hands their connector reports over
+        with ``SchedulerOutput.make_empty()``). Those steps are dropped from the
+        ledger; a request of theirs still running (not expected: the fault aborted
+        them all) is treated as if its step came back without a NaN count. An output
+        the ledger never saw -- such an empty step -- is checked like any other, with
+        nothing recorded to validate."""
+        ledger = self._kvguard_ledger
+        lost = ledger.skip_to(scheduler_output)
+        for step in lost:
+            for req_id in {*step.scheduled, *step.fills}:
+                request = self.requests.get(req_id)
+                if req_id in step.dropped or request is None or request.is_finished():
+                    continue
+                self._kvguard_unchecked.add(req_id)
+                filled = step.fills.get(req_id)
+                if filled:
+                    self._kvguard_carry_fills(req_id, filled, step.publications)
+        if lost:
+            self.kvguard_metrics.steps_lost += len(lost)
+            logger.warning(
+                "kvguard: %d scheduled step(s) never reported back (engine fault "
+                "tolerance?); the guard resumes with the next output",
+                len(lost),
+            )
+            record = ledger.close(scheduler_output)
+            assert record is not None
+            return record
+        return StepRecord(scheduler_output, scheduler_output.num_scheduled_tokens)
 
     def _kvguard_load_failures(self, kv_connector_output: Any, record: Any) -> set[str]:
         """Requests of this step whose KV (partly) failed to load from a connector."""
