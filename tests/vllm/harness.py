@@ -87,6 +87,7 @@ def make_vllm_config(
     kv_transfer_config: Any = None,
     speculative_config: Any = None,
     prefix_caching: bool = True,
+    runner: str = "generate",
 ) -> VllmConfig:
     sched_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -96,7 +97,13 @@ def make_vllm_config(
         async_scheduling=async_scheduling,
         is_encoder_decoder=False,
     )
-    model_config = ModelConfig(model=_MODEL_DIR, skip_tokenizer_init=True, dtype="float16", seed=42)
+    model_config = ModelConfig(
+        model=_MODEL_DIR,
+        skip_tokenizer_init=True,
+        dtype="float16",
+        seed=42,
+        **({"runner": "pooling", "convert": "embed"} if runner == "pooling" else {}),
+    )
     cache_config = CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching)
     cache_config.num_gpu_blocks = num_blocks
     additional = {"kvguard": dict(kvguard or {"check_invariants": True})}
@@ -123,12 +130,14 @@ def make_scheduler(
     prefix_caching: bool = True,
     groups: Sequence[str] = ("full",),
     window: int = 3 * BLOCK,
+    runner: str = "generate",
 ) -> Any:
     """A real scheduler; ``groups`` names its KV cache groups' kinds in order:
     ``"full"`` (full attention), ``"sliding"`` (a ``window``-token sliding window),
     ``"chunked"`` (``window``-token chunked local attention), ``"rswa"`` (R-SWA: the
     prompt and the last ``window`` generated tokens) or ``"ring"`` (a circular buffer:
-    one block per request, reused in place)."""
+    one block per request, reused in place). ``runner="pooling"``: an embedding model
+    (vLLM's pooling runner), whose outputs carry no NaN counts."""
     vllm_config = make_vllm_config(
         async_scheduling=async_scheduling,
         num_blocks=num_blocks,
@@ -138,6 +147,7 @@ def make_scheduler(
         kv_transfer_config=kv_transfer_config,
         speculative_config=speculative_config,
         prefix_caching=prefix_caching,
+        runner=runner,
     )
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks,

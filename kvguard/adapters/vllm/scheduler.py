@@ -29,6 +29,7 @@ What changes against vLLM (everything else is vLLM's own code path):
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -61,6 +62,12 @@ NAN_SETTING = "VLLM_COMPUTE_NANS_IN_LOGITS"
 _NONE: frozenset[str] = frozenset()
 
 
+def is_pooling_model(vllm_config: Any) -> bool:
+    """Whether the engine runs a pooling model (embedding, reranking, ...): its steps
+    sample nothing and vLLM reports no NaN counts for them."""
+    return bool(vllm_config.model_config.runner_type == "pooling")
+
+
 class _GuardMixin:
     """The guard's hooks; mixed in front of vLLM's scheduler classes."""
 
@@ -73,6 +80,17 @@ class _GuardMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         guard = GuardConfig.from_vllm(self.vllm_config.additional_config)
+        if guard.enabled and is_pooling_model(self.vllm_config):
+            # Embedding/reranking steps sample nothing and vLLM counts no NaNs for
+            # them: no step could validate. vLLM's own pool and code paths run them.
+            logger.info(
+                "kvguard: %s is a pooling model (runner %r): its outputs carry no NaN "
+                "counts, so the guard runs it in pass-through mode (vLLM's own KV cache "
+                "behaviour, unguarded)",
+                self.vllm_config.model_config.model,
+                self.vllm_config.model_config.runner_type,
+            )
+            guard = dataclasses.replace(guard, enabled=False)
         if guard.enabled and not envs.VLLM_COMPUTE_NANS_IN_LOGITS:
             raise GuardConfigError(
                 f"kvguard validates each step by its per-request NaN logit counts, which "
@@ -120,6 +138,7 @@ class _GuardMixin:
             if any(type(m) is not FullAttentionManager for m in managers):
                 self._kvguard_guard_window_frees()
         else:
+            self._kvguard_stock_zeroing(self.kv_cache_config)
             # Pass-through: vLLM's own hooks, bound on the instance (as the pool does
             # for its methods), so that a guard switched off adds no frame per call.
             vllm_scheduler = super()
@@ -128,15 +147,19 @@ class _GuardMixin:
         self.kvguard_metrics = GuardMetrics()
         self.kvguard_metrics_label = register_prometheus(self) if guard.enabled else None
 
-    def _kvguard_setup_zeroing(self, kv_cache_config: Any) -> None:
-        """Only kvguard's zero queue goes to the worker, unless vLLM needs its own."""
+    def _kvguard_stock_zeroing(self, kv_cache_config: Any) -> None:
+        """vLLM lists new blocks for zeroing only when it needs that itself."""
         if not stock_needs_zeroing(kv_cache_config):
             # The plugin made needs_kv_cache_zeroing true so that workers build their
             # zeroer; vLLM would then zero every new block. Keep that to kvguard's
-            # policy (quarantined blocks under "suspect").
+            # policy (quarantined blocks under "suspect"; nothing in pass-through).
             for manager in self.kv_cache_manager.coordinator.single_type_managers:
                 manager._record_new_block_ids = False
                 manager.new_block_ids.clear()
+
+    def _kvguard_setup_zeroing(self, kv_cache_config: Any) -> None:
+        """Only kvguard's zero queue goes to the worker, unless vLLM needs its own."""
+        self._kvguard_stock_zeroing(kv_cache_config)
         if not kv_cache_config.needs_kv_cache_zeroing and (
             self.kvguard_pool.guard.zero_policy is not ZeroPolicy.NONE
         ):
