@@ -45,6 +45,12 @@ if HAVE_ENGINE:
     for key, value in engine.ENV.items():
         os.environ.setdefault(key, value)
 
+    from vllm import LLM
+
+    # vLLM's LLM.__repr__ asks the workers (collective_rpc); pytest's report of a
+    # failing test reprs its arguments, and would wait on a broken engine forever.
+    LLM.__repr__ = lambda self: f"<vllm.LLM at {id(self):#x}>"
+
 
 VLLM_WARNINGS = [
     # vLLM and torch warn about their own internals while an engine starts and runs
@@ -113,10 +119,19 @@ def guard_in_this_process() -> Iterator[None]:
         mp.undo()
 
 
+_IN_PROCESS: list[Any] = []
+
+
 def shutdown(llm: Any) -> None:
+    """Stop a multiprocess engine's processes. An in-process engine is kept until the
+    session ends: shutting one down tears down the process-wide parallel state that
+    every in-process engine of the process uses (vLLM's ``get_pp_group``)."""
+    client = llm.llm_engine.engine_core
+    if type(client).__name__ == "InprocClient":
+        _IN_PROCESS.append(llm)
+        return
     with contextlib.suppress(Exception):
-        llm.llm_engine.engine_core.shutdown()
-    del llm
+        client.shutdown()
     gc.collect()
 
 

@@ -51,6 +51,9 @@ ENV = {
     "TRANSFORMERS_OFFLINE": "1",
     "VLLM_NO_USAGE_STATS": "1",
     "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+    # The tests' KV readers reach the workers as functions (collective_rpc,
+    # apply_model); to another process vLLM sends a function only when allowed to.
+    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
 }
 """Environment of every engine (and of ``vllm serve``)."""
 
@@ -130,20 +133,33 @@ def generate(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int = 8) ->
     return [result(o) for o in outs]
 
 
-def set_faults(llm: Any, enabled: bool) -> None:
-    def toggle(model: Any) -> None:
-        model.faults_enabled = enabled
+# Functions the workers run (``apply_model`` / ``collective_rpc``): module-level, so
+# that a multiprocess engine can send them by reference (pickle), not by value.
 
-    llm.apply_model(toggle)
+
+def model_name(model: Any) -> str:
+    return type(model).__name__
+
+
+def _faults_on(model: Any) -> None:
+    model.faults_enabled = True
+
+
+def _faults_off(model: Any) -> None:
+    model.faults_enabled = False
+
+
+def _fired(model: Any) -> list[tuple[int, int]]:
+    return list(model.fired)
+
+
+def set_faults(llm: Any, enabled: bool) -> None:
+    llm.apply_model(_faults_on if enabled else _faults_off)
 
 
 def faults_fired(llm: Any) -> list[tuple[int, int]]:
     """(position, trigger) of every fault the model injected so far (first worker)."""
-
-    def fired(model: Any) -> list[tuple[int, int]]:
-        return list(model.fired)
-
-    return list(llm.apply_model(fired)[0])
+    return list(llm.apply_model(_fired)[0])
 
 
 # ---------------------------------------------------------------- engine state
@@ -199,23 +215,24 @@ def read_blocks(llm: Any, block_ids: Iterable[int] | None = None) -> dict[int, B
     vLLM's CPU runner keeps one tensor per layer, block dimension first
     (``[num_blocks, heads, block_size, 2 * head_dim]``, K and V side by side)."""
     wanted = None if block_ids is None else sorted(set(block_ids))
-
-    def scan(worker: Any) -> dict[int, tuple[int, int]]:
-        caches = worker.model_runner.kv_caches
-        num_blocks = caches[0].shape[0]
-        ids = list(range(num_blocks)) if wanted is None else wanted
-        index = torch.tensor(ids, dtype=torch.long)
-        non_finite = torch.zeros(len(ids), dtype=torch.long)
-        non_zero = torch.zeros(len(ids), dtype=torch.long)
-        for cache in caches:
-            assert cache.shape[0] == num_blocks, "every layer's cache has the block dim first"
-            part = cache.index_select(0, index).flatten(1)
-            non_finite += (~torch.isfinite(part)).sum(1)
-            non_zero += (part != 0).sum(1)
-        return dict(zip(ids, zip(non_finite.tolist(), non_zero.tolist(), strict=True), strict=True))
-
-    (per_block,) = llm.collective_rpc(scan)
+    (per_block,) = llm.collective_rpc(scan_kv_cache, args=(wanted,))
     return {b: BlockKV(*v) for b, v in per_block.items()}
+
+
+def scan_kv_cache(worker: Any, wanted: list[int] | None) -> dict[int, tuple[int, int]]:
+    """In the worker: (non-finite values, non-zero values) per block over every layer."""
+    caches = worker.model_runner.kv_caches
+    num_blocks = caches[0].shape[0]
+    ids = list(range(num_blocks)) if wanted is None else wanted
+    index = torch.tensor(ids, dtype=torch.long)
+    non_finite = torch.zeros(len(ids), dtype=torch.long)
+    non_zero = torch.zeros(len(ids), dtype=torch.long)
+    for cache in caches:
+        assert cache.shape[0] == num_blocks, "every layer's cache has the block dim first"
+        part = cache.index_select(0, index).flatten(1)
+        non_finite += (~torch.isfinite(part)).sum(1)
+        non_zero += (part != 0).sum(1)
+    return dict(zip(ids, zip(non_finite.tolist(), non_zero.tolist(), strict=True), strict=True))
 
 
 def non_finite_blocks(llm: Any, block_ids: Iterable[int] | None = None) -> set[int]:
@@ -261,7 +278,14 @@ def engine_env(guard: bool) -> dict[str, str]:
 
 
 def apply_env(env: dict[str, str]) -> dict[str, str | None]:
-    """Set ``env`` in os.environ; returns what to restore."""
+    """Set ``env`` in os.environ for the engine built next; returns what to restore.
+
+    An in-process engine core freezes vLLM's view of its environment variables
+    (``vllm.envs.enable_envs_cache`` at start-up); the next engine of this process
+    must read them afresh."""
+    import vllm.envs
+
+    vllm.envs.disable_envs_cache()
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     return saved
