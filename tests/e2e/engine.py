@@ -58,8 +58,14 @@ ENV = {
 """Environment of every engine (and of ``vllm serve``)."""
 
 
-def build_model(directory: str) -> str:
-    """A random-weight Llama (fp32, safetensors) in ``directory``; no hub access."""
+def build_model(directory: str, *, counting: bool = False) -> str:
+    """A random-weight Llama (fp32, safetensors) in ``directory``; no hub access.
+
+    ``counting``: greedy decoding continues with token + 1 (for speculative decoding,
+    whose n-gram drafts then come true): the output head is the embedding shifted by
+    one token, and the layers' residual branches are scaled down so that the last
+    hidden state is (the norm of) the current token's embedding; random 128-wide
+    embeddings are nearly orthogonal, so the head's best match is the next token."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -79,7 +85,15 @@ def build_model(directory: str) -> str:
         bos_token_id=1,
         eos_token_id=2,
     )
-    LlamaForCausalLM(config).to(torch.float32).save_pretrained(directory)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    if counting:
+        with torch.no_grad():
+            embedding = model.model.embed_tokens.weight
+            model.lm_head.weight.copy_(torch.roll(embedding, 1, 0) * 10)
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.weight.mul_(0.01)
+                layer.mlp.down_proj.weight.mul_(0.01)
+    model.save_pretrained(directory)
     return directory
 
 
@@ -153,6 +167,10 @@ def _fired(model: Any) -> list[tuple[int, int]]:
     return list(model.fired)
 
 
+def _fired_in(model: Any) -> list[tuple[int, ...]]:
+    return list(model.fired_in)
+
+
 def set_faults(llm: Any, enabled: bool) -> None:
     llm.apply_model(_faults_on if enabled else _faults_off)
 
@@ -160,6 +178,11 @@ def set_faults(llm: Any, enabled: bool) -> None:
 def faults_fired(llm: Any) -> list[tuple[int, int]]:
     """(position, trigger) of every fault the model injected so far (first worker)."""
     return list(llm.apply_model(_fired)[0])
+
+
+def faults_fired_in(llm: Any) -> list[tuple[int, ...]]:
+    """The positions of the forward pass each fault fired in (first worker)."""
+    return list(llm.apply_model(_fired_in)[0])
 
 
 # ---------------------------------------------------------------- engine state

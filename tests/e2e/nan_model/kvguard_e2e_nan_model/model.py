@@ -47,6 +47,9 @@ class NanLlamaForCausalLM(LlamaForCausalLM):
         """(trigger position, trigger token) pairs that armed a fault."""
         self.fired: list[tuple[int, int]] = []
         """(position, trigger token) of every fault fired, in order."""
+        self.fired_in: list[tuple[int, ...]] = []
+        """The positions of the forward pass each fault fired in (e.g. a speculative
+        decoding verification step: the request's 1 + drafts rows)."""
         self._origin: dict[int, int] = {}
         self.faults_enabled = True
         """False: trigger tokens are plain tokens (an engine giving fault-free
@@ -93,5 +96,6 @@ class NanLlamaForCausalLM(LlamaForCausalLM):
             if armed and pos[i] in armed:
                 armed.discard(pos[i])
                 self.fired.append((pos[i], self._origin.pop(pos[i])))
+                self.fired_in.append(tuple(pos))
                 out.append(i)
         return out
