@@ -39,6 +39,7 @@ typedef struct {
     PyObject *counters;                /* kvguard.stats.Counters */
     PyObject *block_removed;           /* kvguard.events.BlockRemoved */
     PyObject *zero_blocks;             /* the zero queue's dict of block ids */
+    PyObject *tainted;                 /* the pool's set of tainted hashes */
     int zero_all;                      /* zero_policy ALL: every allocation queues zeroing */
     int zero_suspect;                  /* zero_policy SUSPECT: reused quarantined blocks do */
     Py_ssize_t off_block_id, off_state, off_ref_cnt, off_block_hash, off_parent_hash,
@@ -201,6 +202,7 @@ FastPath_traverse(FastPath *self, visitproc visit, void *arg)
     Py_VISIT(self->counters);
     Py_VISIT(self->block_removed);
     Py_VISIT(self->zero_blocks);
+    Py_VISIT(self->tainted);
     return 0;
 }
 
@@ -214,6 +216,7 @@ FastPath_clear(FastPath *self)
     Py_CLEAR(self->index);
     Py_CLEAR(self->counters);
     Py_CLEAR(self->zero_blocks);
+    Py_CLEAR(self->tainted);
     return 0;
 }
 
@@ -225,19 +228,19 @@ FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
                              "free", "validated", "published", "quarantined_state",
                              "stays_cached", "acquirable",
                              "evict_to", "counters", "block_removed", "zero_blocks",
-                             "zero_all", "zero_suspect", NULL};
+                             "tainted", "zero_all", "zero_suspect", NULL};
     PyObject *block_type, *blocks, *free_queue, *empty, *quarantined, *index;
     PyObject *st[7], *stays_cached, *acquirable, *evict_to, *counters, *block_removed;
-    PyObject *zero_blocks;
+    PyObject *zero_blocks, *tainted;
     int zero_all, zero_suspect;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!OO!O!O!OOOOOOOO!O!O!OOO!pp", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!OO!O!O!OOOOOOOO!O!O!OOO!O!pp", kwlist,
                                      &PyType_Type, &block_type, &PyList_Type, &blocks,
                                      &free_queue, &PyList_Type, &empty, &PyList_Type,
                                      &quarantined, &PyDict_Type, &index, &st[0], &st[1], &st[2],
                                      &st[3], &st[4], &st[5], &st[6], &PyTuple_Type, &stays_cached,
                                      &PyTuple_Type, &acquirable, &PyDict_Type, &evict_to,
                                      &counters, &block_removed, &PyDict_Type, &zero_blocks,
-                                     &zero_all, &zero_suspect))
+                                     &PySet_Type, &tainted, &zero_all, &zero_suspect))
         return -1;
     if (!PyList_CheckExact(blocks) || !PyList_CheckExact(empty) ||
         !PyList_CheckExact(quarantined) || !PyDict_CheckExact(index)) {
@@ -301,6 +304,7 @@ FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
     KEEP(counters, counters)
     KEEP(block_removed, block_removed)
     KEEP(zero_blocks, zero_blocks)
+    KEEP(tainted, tainted)
 #undef KEEP
     self->zero_all = zero_all;
     self->zero_suspect = zero_suspect;
@@ -760,6 +764,18 @@ FastPath_validate(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
             (!PyTuple_CheckExact(pending) || PyTuple_GET_SIZE(pending) != 3 ||
              !PyBytes_CheckExact(PyTuple_GET_ITEM(pending, 0))))
             break; /* not a (bytes hash, parent, owner): the Python path decides */
+        if (pending != Py_None && PySet_GET_SIZE(self->tainted)) {
+            /* A tainted hash, or one chained on it: the Python path refuses or
+             * clears the taint (BlockSteps._validate_and_publish). */
+            int hit = PySet_Contains(self->tainted, PyTuple_GET_ITEM(pending, 0));
+            if (hit == 0)
+                hit = PySet_Contains(self->tainted, PyTuple_GET_ITEM(pending, 1));
+            if (hit != 0) {
+                if (hit < 0)
+                    PyErr_Clear();
+                break;
+            }
+        }
         set_field(block, self->off_writers, zero);
     }
     if (checked != n) {

@@ -30,6 +30,7 @@ class FastPath:
         counters: Counters,
         block_removed: type[BlockRemoved],
         zero_blocks: dict[int, None],
+        tainted: set[BlockHash],
         zero_all: bool,
         zero_suspect: bool,
     ) -> None: ...

@@ -264,8 +264,7 @@ class BlockSteps(PoolCore):
             if publish and not self.enable_caching:
                 raise PoolMisuseError("validate_blocks(publish=...) needs enable_caching=True")
         fast = self._fast
-        # (The C path knows no taint: while any hash is tainted, Python validates.)
-        if fast is not None and not self.record_events and not self._tainted:
+        if fast is not None and not self.record_events:
             # The usual case (distinct blocks, each written by this step alone), in C.
             applied = fast.validate(ids, publish if publish else None)  # type: ignore[arg-type]
             if applied is not None:

@@ -62,6 +62,7 @@ def fast_path(
     evict_to: dict[BlockState, BlockState],
     counters: Counters,
     zero_blocks: dict[int, None],
+    tainted: set[BlockHash],
     zero_all: bool,
     zero_suspect: bool,
 ) -> FastPath | None:
@@ -75,7 +76,8 @@ def fast_path(
     eviction takes each cached state. Evictions bump ``counters.blocks_evicted``;
     ``zero_blocks`` is the zero queue's set of block ids (``zero_suspect``: reused
     quarantined blocks join it, bumping ``counters.blocks_zeroed``; ``zero_all``: every
-    allocation takes the Python path).
+    allocation takes the Python path). A validation publishing a hash that is in
+    ``tainted`` (the pool's set), or chained on one, takes the Python path.
     """
     if not available():
         return None
@@ -99,6 +101,7 @@ def fast_path(
         counters,
         BlockRemoved,
         zero_blocks,
+        tainted,
         zero_all,
         zero_suspect,
     )

@@ -156,6 +156,7 @@ class PoolCore:
             evict_to=_EVICT_TO,
             counters=self._counters,
             zero_blocks=self._zero._blocks,  # the zero queue's own dict, filled in place
+            tainted=self._tainted,
             zero_all=zero_policy is _ZERO_ALL,
             zero_suspect=zero_policy is _ZERO_SUSPECT,
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -289,3 +290,31 @@ def test_an_empty_rollback_keeps_the_known_token_ids() -> None:
     rollback = p.zero_request_tail("r", 0)
     assert rollback.num_tokens == 4 and rollback.slots == ()
     assert p.snapshot() == before
+
+
+def test_the_compiled_validation_still_serves_sound_publications_after_a_taint(
+    flavour: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once any hash is tainted, only publications of a tainted hash or one chained on
+    it leave the C path (a vLLM engine that saw one failed KV load keeps its speed)."""
+    if flavour != "C":
+        pytest.skip("about the compiled path")
+    p = block_pool()
+    python_paths: list[list[int]] = []
+    slow = BlockPool._validate_and_publish
+
+    def counted(self: BlockPool, ids: list[int], publish: Any) -> Any:
+        python_paths.append(list(ids))
+        return slow(self, ids, publish)
+
+    monkeypatch.setattr(BlockPool, "_validate_and_publish", counted)
+    b0, b1, b2, b3 = p.allocate_blocks(4, write=True)
+    p.validate_blocks([b0], {b0: (H[0], None, "r")})
+    assert python_paths == []  # C
+    p.invalidate([H[0]], descendants=False)
+    p.validate_blocks([b1], {b1: (H[3], None, "r")})  # unrelated to the taint: C
+    assert python_paths == [] and p.cached_block_id(H[3]) == b1
+    p.validate_blocks([b2], {b2: (H[1], H[0], "r")})  # chained on the tainted hash
+    assert python_paths == [[b2]] and p.block_hash(b2) is None
+    p.validate_blocks([b3], {b3: (H[0], None, "s")})  # the tainted hash, afresh
+    assert python_paths == [[b2], [b3]] and p.cached_block_id(H[0]) == b3
