@@ -5,8 +5,9 @@ the engine core and the workers of the multiprocess engine, and ``vllm serve``'s
 processes, all know the architecture. Choose it with ``hf_overrides={"architectures":
 [ARCHITECTURE]}`` (or a model directory whose config names it).
 
-``KVGUARD_E2E_ASYNC_SCHEDULING=1`` also keeps vLLM's CPU platform from switching
-async scheduling off (see :func:`_allow_async_scheduling_on_cpu`).
+With ``KVGUARD_E2E_ASYNC_SCHEDULING=1`` in the environment of the process that builds
+an engine's config, vLLM's CPU platform keeps async scheduling on (see
+:func:`allow_async_scheduling_on_cpu`).
 """
 
 from __future__ import annotations
@@ -23,13 +24,16 @@ def register() -> None:
 
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, "kvguard_e2e_nan_model.model:" + ARCHITECTURE)
-    if os.environ.get(ASYNC_ENV) == "1":
-        _allow_async_scheduling_on_cpu()
+    allow_async_scheduling_on_cpu()
 
 
-def _allow_async_scheduling_on_cpu() -> None:
+def allow_async_scheduling_on_cpu() -> None:
     """vLLM's CPU platform sets ``scheduler_config.async_scheduling = False`` in
-    ``check_and_update_config`` whatever was asked for; put back what was asked."""
+    ``check_and_update_config`` whatever was asked for ("not required on CPU"); put
+    back ``async_scheduling=True`` while ``KVGUARD_E2E_ASYNC_SCHEDULING=1`` is set
+    (read at each config check: engines built without it are vLLM's own). vLLM's
+    CPU model runner then runs with one step in flight, the engine core's batch
+    queue of two; tests only. Idempotent."""
     from vllm.platforms.cpu import CpuPlatform
 
     stock = CpuPlatform.check_and_update_config
@@ -40,7 +44,7 @@ def _allow_async_scheduling_on_cpu() -> None:
         scheduler_config = vllm_config.scheduler_config
         asked = scheduler_config.async_scheduling
         stock(vllm_config)
-        if asked:
+        if asked and os.environ.get(ASYNC_ENV) == "1":
             scheduler_config.async_scheduling = True
 
     check_and_update_config._kvguard_e2e = True  # type: ignore[attr-defined]
