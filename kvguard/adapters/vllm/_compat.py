@@ -134,3 +134,13 @@ def block_stored_lookahead(pool: Any, request: Any, end: int) -> dict[str, Any]:
         [pool._lookahead_token_ids(request, end)] if pool.num_hash_lookahead_tokens else None
     )
     return {"lookahead_token_ids": lookahead}
+
+
+# ---------------------------------------------------------------------- connectors
+
+
+def aux_output_connector_binds_pool() -> bool:
+    """Whether vLLM's ``AuxOutputSchedulerConnector`` is built from the KV cache
+    manager and the KV connector, keeping the block pool (0.33); 0.32's takes no
+    arguments and holds no pool."""
+    return vllm_series() >= (0, 33)

@@ -49,6 +49,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvguard.block import PendingPublication  # noqa: E402
 
+from .binding import rebind_connectors, stale_references  # noqa: E402
 from .block_pool import GuardModeUnsupported  # noqa: E402
 from .config import GuardConfig, GuardConfigError  # noqa: E402
 from .ledger import StepLedger, StepRecord  # noqa: E402
@@ -130,7 +131,9 @@ class _GuardMixin:
         # Requests whose latest step came back without a NaN count: not known clean
         # until a later step of theirs is counted clean.
         self._kvguard_unchecked: set[str] = set()
+        vllm_pool = self.kv_cache_manager.block_pool
         self.kvguard_pool = install_guarded_pool(self.kv_cache_manager, guard)
+        self._kvguard_rebind_connectors(vllm_pool)
         if guard.enabled:
             self._kvguard_setup_zeroing(self.kv_cache_config)
             self._kvguard_check_connector()
@@ -169,6 +172,39 @@ class _GuardMixin:
                 "unwiped. Start vLLM with KVGUARD_GUARD=1 (kvguard's vLLM plugin) to "
                 "turn worker-side zeroing on."
             )
+
+    def _kvguard_rebind_connectors(self, vllm_pool: Any) -> None:
+        """vLLM bound the KV connectors to its own pool before kvguard's replaced it:
+        bind them again, and refuse to start if one still holds vLLM's pool."""
+        rebind_connectors(self)
+        stale = stale_references(self, vllm_pool)
+        if stale:
+            holders = sorted({type(self._kvguard_holder(path)).__name__ for path in stale})
+            raise GuardModeUnsupported(
+                f"kvguard replaced vLLM's KV block pool, but the KV connector "
+                f"{', '.join(holders)} still holds vLLM's discarded pool after being bound "
+                f"again ({', '.join(stale)}): it would read and pin blocks no request "
+                "holds. Run this connector on stock vLLM (no kvguard scheduler: neither "
+                f"--additional-config '{{\"kvguard\": ...}}' nor {GUARD_ENV}=1 nor "
+                "--scheduler-cls naming kvguard's), or run kvguard without it."
+            )
+
+    def _kvguard_holder(self, path: str) -> Any:
+        """The connector object a stale reference's path starts from (the deepest
+        object along it with ``bind_gpu_block_pool``, else the root)."""
+        obj: Any = self
+        holder: Any = None
+        for part in path.replace("[", ".[").split("."):
+            if not part:
+                continue
+            if part.startswith("["):
+                key = part[1:-1]
+                obj = obj[int(key)] if key.isdigit() else obj[key.strip("'")]
+            else:
+                obj = getattr(obj, part)
+            if hasattr(obj, "bind_gpu_block_pool") or holder is None:
+                holder = obj
+        return holder
 
     def _kvguard_connectors(self) -> list[Any]:
         """The scheduler's KV connector, or the connectors inside a ``MultiConnector``."""
