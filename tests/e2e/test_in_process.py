@@ -136,12 +136,14 @@ def test_quarantined_blocks_are_zeroed_before_reuse(
 ) -> None:
     """Read the worker's KV cache. A (one output token) fails in chunk 2 (positions
     64..125: one full block, one holding 30 of 32 slots); R then needs one new block
-    (its first block is a prefix hit) and writes 12 of its slots.
+    (its first block is a prefix hit) and writes 11 of its slots (8 prompt tokens, 3
+    computed decode tokens).
 
     Stock: A's full NaN block stays matchable, and R is handed A's partial block
-    unwiped: after R, 18 slots of it still hold A's NaN. Guarded: A's two blocks are
-    quarantined (NaN in the tensors, never matchable); R is handed one of them, the
-    scheduler tells the worker to zero it, and after R it holds no NaN."""
+    unwiped: after R, the 19 of A's 30 slots that R does not write still hold A's
+    NaN. Guarded: A's two blocks are quarantined (NaN in the tensors, never
+    matchable); R is handed one of them, the scheduler tells the worker to zero it,
+    and after R it holds no NaN."""
     w = tokens(20, 40)
     a = with_token(tokens(21, 126), 80, trigger(0))
     r = w[:BLOCK] + tokens(22, 8)
@@ -154,6 +156,7 @@ def test_quarantined_blocks_are_zeroed_before_reuse(
         nan_blocks = non_finite_blocks(llm, a_blocks)
         assert nan_blocks == set(a_blocks[2:4]), (name, a_blocks)  # the NaN reached KV
         log.new_blocks.clear()
+        before = read_blocks(llm, nan_blocks)
         (r_out,) = generate(llm, [r], max_tokens=4)
         assert r_out.num_cached_tokens == BLOCK, name
         (r_blocks,) = log.new_blocks.values()
@@ -163,7 +166,8 @@ def test_quarantined_blocks_are_zeroed_before_reuse(
             assert a_out.finish_reason == "length"
             assert matchable_blocks(llm) & nan_blocks  # A's full NaN block is a hit
             assert r_new in nan_blocks  # A's partial block, reused ...
-            assert after.non_finite > 0  # ... unwiped: its stale NaN slots remain
+            assert 0 < after.non_finite < before[r_new].non_finite  # ... unwiped: R
+            # overwrote the slots it wrote; A's NaN stays in the others
         else:
             assert a_out.finish_reason == "error"
             assert nan_blocks <= blocks_in_state(llm, "QUARANTINED") | {r_new}
