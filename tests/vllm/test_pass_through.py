@@ -48,6 +48,7 @@ SCHEDULER_HOOKS = (
     "_get_new_block_ids_to_zero",
     "_free_request",
     "_free_request_blocks",
+    "make_stats",
 )
 
 

@@ -139,3 +139,130 @@ def register_prometheus(scheduler: Any) -> str | None:
             REGISTRY.register(_GuardCollector())
             _registered = True
     return key
+
+
+# ---------------------------------------------------------------------- to the front end
+#
+# /metrics is served by the API server process; the guarded scheduler runs in the
+# engine-core process, whose registry (above) no scrape reaches. vLLM's own counters
+# travel from the engine core to the front end in the ``SchedulerStats`` of each
+# step's outputs, so kvguard's do too: as extra keys ``"kvguard:<counter>"`` of its
+# ``num_kv_fetch_reqs_by_stage`` dict (the one free-form ``str -> int`` field of
+# ``SchedulerStats`` in 0.32 and 0.33; vLLM's readers look up their own stage names in
+# it). The front end takes them out before vLLM's stat loggers see the stats
+# (:func:`install_front_end`) and serves the latest values per engine.
+
+STATS_PREFIX = "kvguard:"
+SEND_INTERVAL_S = 1.0
+"""kvguard's counters ride on at most one ``SchedulerStats`` per this many seconds,
+and on every one whose step changed the set of requests (an arrival, an end, an
+abort): the last step before an engine goes idle always carries them."""
+
+
+class StatsSender:
+    """Engine-core side: puts the scheduler's counters on the stats vLLM sends."""
+
+    __slots__ = ("_last", "_requests")
+
+    def __init__(self) -> None:
+        self._last = float("-inf")
+        self._requests = -1
+
+    def attach(self, stats: Any, scheduler: Any) -> None:
+        import time
+
+        now = time.monotonic()
+        requests = len(scheduler.requests)
+        if requests == self._requests and now - self._last < SEND_INTERVAL_S:
+            return
+        self._last, self._requests = now, requests
+        carrier = stats.num_kv_fetch_reqs_by_stage
+        for name, value in scheduler.kvguard_stats().items():
+            carrier[STATS_PREFIX + name] = value
+
+
+_front_end: dict[int, dict[str, int]] = {}
+"""Engine index -> the latest kvguard counters it sent (front-end process)."""
+_front_end_registered = False
+
+
+def take_from_stats(stats: Any, engine_index: int) -> None:
+    """Front end: move kvguard's counters out of ``stats`` into what /metrics serves."""
+    global _front_end_registered
+    carrier = getattr(stats, "num_kv_fetch_reqs_by_stage", None)
+    if not carrier:
+        return
+    ours = [key for key in carrier if key.startswith(STATS_PREFIX)]
+    if not ours:
+        return
+    counters = _front_end.setdefault(engine_index, {})
+    for key in ours:
+        counters[key[len(STATS_PREFIX) :]] = carrier.pop(key)
+    if not _front_end_registered:
+        try:
+            from prometheus_client import REGISTRY
+        except ImportError:  # pragma: no cover - vLLM depends on prometheus_client
+            return
+        with _lock:
+            if not _front_end_registered:
+                REGISTRY.register(_FrontEndCollector())
+                _front_end_registered = True
+
+
+def front_end_counters() -> dict[int, dict[str, int]]:
+    """Engine index -> kvguard's counters as the front end last received them."""
+    return {engine: dict(counters) for engine, counters in _front_end.items()}
+
+
+class _FrontEndCollector:
+    """``kvguard:<counter>_total{engine="<index>"}``, one sample per engine."""
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily
+
+        engines = sorted(_front_end.items())
+        names = sorted({name for _, counters in engines for name in counters})
+        for name in names:
+            counter = CounterMetricFamily(
+                f"kvguard:{name}",
+                _FRONT_END_HELP.get(name, name.replace("_", " ")),
+                labels=["engine"],
+            )
+            for engine, counters in engines:
+                if name in counters:
+                    counter.add_metric([str(engine)], counters[name])
+            yield counter
+
+
+_FRONT_END_HELP = {
+    **_HELP,
+    **CONNECTOR_HELP,
+    "blocks_quarantined": "Blocks quarantined (written by a failed or never-validated step)",
+    "withheld_publications": "Full blocks kept out of the prefix cache until their step validated",
+    "dropped_acks": "Tier store acknowledgements dropped (block quarantined or reused meanwhile)",
+    "blocks_published": "Blocks published to the prefix cache after validation",
+    "stores_started": "Tier stores started for validated blocks",
+    "stores_acknowledged": "Tier stores acknowledged",
+}
+
+
+def install_front_end() -> None:
+    """Make vLLM's front end (``StatLoggerManager.record``) take kvguard's counters out
+    of each engine's ``SchedulerStats`` before its stat loggers see them. Idempotent;
+    a no-op for stats that carry none."""
+    from vllm.v1.metrics.loggers import StatLoggerManager
+
+    stock = StatLoggerManager.record
+    if getattr(stock, "_kvguard_plugin", False):
+        return
+
+    def record(self: Any, *args: Any, **kwargs: Any) -> Any:
+        stats = kwargs.get("scheduler_stats", args[0] if args else None)
+        if stats is not None:
+            engine = kwargs.get("engine_idx", args[3] if len(args) > 3 else None)
+            take_from_stats(stats, engine or 0)
+        return stock(self, *args, **kwargs)
+
+    record._kvguard_plugin = True  # type: ignore[attr-defined]
+    record.__wrapped__ = stock  # type: ignore[attr-defined]
+    StatLoggerManager.record = record

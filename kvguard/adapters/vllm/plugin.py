@@ -1,7 +1,23 @@
 """vLLM plugin (``vllm.general_plugins`` entry point ``kvguard``): the guard with no code change.
 
-vLLM runs :func:`register` in every process it starts (engine core, each worker). It
-does nothing unless ``KVGUARD_GUARD=1`` is set explicitly; then, in that process:
+vLLM runs :func:`register` in every process it starts (API server, engine core, each
+worker). The guard is asked for by ``--additional-config '{"kvguard": {...}}'`` (the
+config reaches every process; ``"enabled": false`` switches it off) or, where that
+has no ``kvguard`` entry, by ``KVGUARD_GUARD=1`` in the environment. :func:`register`
+itself changes nothing but four start-up hooks, which read the config each process is
+given (the plugin loads before any config is in reach):
+
+* a worker, as it is built (``WorkerBase.__init__``), and the engine core, before it
+  sizes the KV cache (``EngineCore._initialize_kv_caches``), switch the guard on in
+  their process when the config (or the environment) asks for it -- :func:`activate`;
+* the engine core then asks every worker (``collective_rpc("kvguard_report")``) whether
+  it counts NaN logits per request and built its block zeroer, and refuses to start
+  (:class:`GuardConfigError`, naming the worker and what is missing) when one does not
+  -- a worker where the plugin did not run, or ran without the config;
+* the front end takes kvguard's counters out of the ``SchedulerStats`` each engine
+  sends (:mod:`kvguard.adapters.vllm.metrics`) and serves them on ``/metrics``.
+
+:func:`activate`, in one process:
 
 * refuses an unsupported vLLM with :class:`UnsupportedVllmError` (clear message);
 * turns vLLM's per-request NaN counting on (``VLLM_COMPUTE_NANS_IN_LOGITS=1``, inherited
@@ -27,11 +43,12 @@ Idempotent: vLLM may load plugins several times per process.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
-from kvguard.adapters.vllm import worker_nans
+from kvguard.adapters.vllm import metrics, worker_nans
 from kvguard.adapters.vllm._compat import require_supported_vllm
-from kvguard.adapters.vllm.config import GuardConfigError
+from kvguard.adapters.vllm.config import CONFIG_KEY, GuardConfig, GuardConfigError
 
 GUARD_ENV = "KVGUARD_GUARD"
 NAN_SETTING = "VLLM_COMPUTE_NANS_IN_LOGITS"
@@ -39,15 +56,38 @@ _ON = ("1", "true", "yes", "on")
 _MARK = "_kvguard_plugin"
 
 
+_active = False
+"""Whether :func:`activate` ran in this process."""
+_by_config = False
+"""Whether it ran because a config asked for the guard (not the environment)."""
+
+
 def requested(environ: Any = os.environ) -> bool:
-    """Whether the plugin was asked to switch the guard on (explicit ``KVGUARD_GUARD=1``)."""
+    """Whether the environment asks for the guard (explicit ``KVGUARD_GUARD=1``)."""
     return str(environ.get(GUARD_ENV, "")).strip().lower() in _ON
+
+
+def requested_by(vllm_config: Any, environ: Any = os.environ) -> bool:
+    """Whether the guard is asked for in a process given ``vllm_config``: its
+    ``additional_config["kvguard"]`` when there is one (enabled unless it says
+    ``"enabled": false``), else the environment (:func:`requested`)."""
+    additional = getattr(vllm_config, "additional_config", None)
+    if isinstance(additional, Mapping) and CONFIG_KEY in additional:
+        return GuardConfig.from_vllm(additional).enabled
+    return requested(environ)
 
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point."""
-    if not requested():
-        return
+    _install_start_up_hooks()
+    metrics.install_front_end()
+    if requested():
+        activate()
+
+
+def activate(*, by_config: bool = False) -> None:
+    """Put the guard in force in this process (see the module doc). Idempotent."""
+    global _active, _by_config
     require_supported_vllm()
     nan = os.environ.get(NAN_SETTING)
     if nan is None:
@@ -61,15 +101,137 @@ def register() -> None:
     _patch_scheduler_cls()
     _patch_connector_cls()
     worker_nans.install()
+    _active = True
+    _by_config = _by_config or by_config
 
 
 def worker_counts_per_request(environ: Any = os.environ) -> bool:
-    """Whether vLLM's workers count NaN logits per request: the plugin ran in this
-    process with ``KVGUARD_GUARD=1``. vLLM loads its plugins in the engine core before
-    it builds the scheduler and in every worker before its model runner, under the same
-    settings, so the workers were patched too -- unless the plugin did not run here
-    either (``VLLM_PLUGINS`` leaving ``kvguard`` out, or a scheduler built by hand)."""
-    return requested(environ) and worker_nans.installed()
+    """Whether vLLM's workers count NaN logits per request: the guard is in force in
+    this process (:func:`activate`, or ``KVGUARD_GUARD=1`` with the runners patched).
+    An engine core started with the guard asked for checks every worker at start-up
+    (``kvguard_report``) and refuses to start if one does not -- so here it is known
+    unless the plugin did not run in this process (``VLLM_PLUGINS`` leaving
+    ``kvguard`` out, or a scheduler built by hand)."""
+    return (_by_config or requested(environ)) and worker_nans.installed()
+
+
+# ---------------------------------------------------------------------- start-up hooks
+
+
+def _install_start_up_hooks() -> None:
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.worker.worker_base import WorkerBase, WorkerWrapperBase
+
+    stock_worker_init = WorkerBase.__init__
+    if not getattr(stock_worker_init, _MARK, False):
+
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+            if requested_by(vllm_config):
+                activate(by_config=True)  # before vLLM reads (and caches) its environment
+            stock_worker_init(self, *args, **kwargs)
+
+        _mark(__init__, stock_worker_init)
+        WorkerBase.__init__ = __init__
+
+    stock_init_kv = EngineCore._initialize_kv_caches
+    if not getattr(stock_init_kv, _MARK, False):
+
+        def _initialize_kv_caches(self: Any, vllm_config: Any) -> Any:
+            asked = requested_by(vllm_config)
+            if asked:
+                activate(by_config=True)  # before the scheduler class and KV cache config
+            kv_cache_config = stock_init_kv(self, vllm_config)
+            if asked:
+                check_workers(self.collective_rpc, vllm_config)
+            return kv_cache_config
+
+        _mark(_initialize_kv_caches, stock_init_kv)
+        EngineCore._initialize_kv_caches = _initialize_kv_caches
+
+    if not hasattr(WorkerWrapperBase, REPORT):
+        setattr(WorkerWrapperBase, REPORT, _worker_report)
+
+
+REPORT = "kvguard_report"
+"""The method the engine core calls on every worker (``collective_rpc``) at start-up."""
+
+
+def _worker_report(wrapper: Any) -> dict[str, bool]:
+    """What a worker says about the guard in its process (after its KV cache was set up)."""
+    import vllm.envs as envs
+
+    runner = getattr(getattr(wrapper, "worker", None), "model_runner", None)
+    kv_cache_config = getattr(runner, "kv_cache_config", None)
+    return {
+        "guard": _active,
+        "nan_counting": bool(envs.VLLM_COMPUTE_NANS_IN_LOGITS),
+        "per_request_nans": worker_nans.installed(),
+        "zeroer": kv_cache_config is not None
+        and bool(kv_cache_config.needs_kv_cache_zeroing)
+        and worker_zeroes_blocks(runner),
+    }
+
+
+_MISSING = {
+    "guard": "kvguard's plugin did not switch the guard on there",
+    "nan_counting": f"it does not count NaN logits ({NAN_SETTING} is off there)",
+    "per_request_nans": "its model runner counts NaN logits per row, not per request",
+    "zeroer": "it did not build its KV block zeroer (quarantined blocks would be reused unwiped)",
+}
+
+
+def check_workers(collective_rpc: Any, vllm_config: Any) -> None:
+    """Every worker counts NaN logits per request and built its block zeroer, or the
+    engine refuses to start. (Pooling models run unguarded: nothing to check.)"""
+    from kvguard.adapters.vllm.scheduler import is_pooling_model
+
+    if is_pooling_model(vllm_config):
+        return
+    how = (
+        "--additional-config kvguard settings"
+        if isinstance(getattr(vllm_config, "additional_config", None), Mapping)
+        and CONFIG_KEY in vllm_config.additional_config
+        else f"{GUARD_ENV}=1"
+    )
+    try:
+        reports = collective_rpc(REPORT)
+    except Exception as exc:
+        raise GuardConfigError(
+            f"kvguard was asked for ({how}), but a vLLM worker does not know it ({exc!r}): "
+            "kvguard's vLLM plugin did not run in that worker process. Install kvguard "
+            "wherever vLLM runs a worker, and keep 'kvguard' in VLLM_PLUGINS if it is set."
+        ) from exc
+    problems = [
+        f"worker {rank}: {_MISSING[key]}"
+        for rank, report in enumerate(reports)
+        for key in _MISSING
+        if not report.get(key)
+    ]
+    if problems:
+        raise GuardConfigError(
+            f"kvguard was asked for ({how}) but is not in force in every vLLM worker: "
+            + "; ".join(problems)
+            + ". The engine does not start half-guarded."
+        )
+
+
+def worker_zeroes_blocks(runner: Any) -> bool:
+    """Whether the model runner applies ``new_block_ids_to_zero``: vLLM's GPU runners
+    only once they built their ``KVBlockZeroer`` (else they skip the list silently);
+    the CPU runner zeroes with its own ``_zero_block_ids``, no zeroer object."""
+    if hasattr(runner, "_kv_block_zeroer"):
+        return True
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    own = getattr(type(runner), "_zero_block_ids", None)
+    return own is not None and own is not GPUModelRunner._zero_block_ids
+
+
+def _mark(patched: Any, stock: Any) -> None:
+    setattr(patched, _MARK, True)
+    patched.__wrapped__ = stock
+    patched.__doc__ = stock.__doc__
 
 
 def _patch_zeroing() -> None:

@@ -54,7 +54,12 @@ from .block_pool import GuardModeUnsupported  # noqa: E402
 from .config import GuardConfig, GuardConfigError  # noqa: E402
 from .ledger import StepLedger, StepRecord  # noqa: E402
 from .manager import install_guarded_pool  # noqa: E402
-from .metrics import GuardMetrics, connector_counters, register_prometheus  # noqa: E402
+from .metrics import (  # noqa: E402
+    GuardMetrics,
+    StatsSender,
+    connector_counters,
+    register_prometheus,
+)
 from .plugin import GUARD_ENV, stock_needs_zeroing, worker_counts_per_request  # noqa: E402
 
 logger = init_logger(__name__)
@@ -149,6 +154,7 @@ class _GuardMixin:
                 setattr(self, name, getattr(vllm_scheduler, name))
         self.kvguard_metrics = GuardMetrics()
         self.kvguard_metrics_label = register_prometheus(self) if guard.enabled else None
+        self._kvguard_stats_sender = StatsSender()
 
     def _kvguard_stock_zeroing(self, kv_cache_config: Any) -> None:
         """vLLM lists new blocks for zeroing only when it needs that itself."""
@@ -593,6 +599,14 @@ class _GuardMixin:
         )
 
     # ------------------------------------------------------------------ metrics
+
+    def make_stats(self, *args: Any, **kwargs: Any) -> Any:
+        # vLLM's stats travel to the front end (API server), which serves /metrics;
+        # kvguard's counters go with them (kvguard.adapters.vllm.metrics).
+        stats = super().make_stats(*args, **kwargs)  # type: ignore[misc]
+        if stats is not None:
+            self._kvguard_stats_sender.attach(stats, self)
+        return stats
 
     def kvguard_stats(self) -> dict[str, int]:
         """The guard's counters: the adapter's plus kvguard's pool counters."""
