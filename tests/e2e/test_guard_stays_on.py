@@ -1,0 +1,264 @@
+"""No silent off-switch, in a real engine: ``--additional-config '{"kvguard": {...}}'``
+alone switches the guard on (no ``KVGUARD_GUARD`` in any environment), in the
+in-process engine, the multiprocess engine and ``vllm serve``; the engine refuses to
+start when the guard was asked for but is not in force in a worker; and kvguard's
+counters reach the API server's ``/metrics``.
+
+Every engine here is built with ``KVGUARD_GUARD`` and ``VLLM_COMPUTE_NANS_IN_LOGITS``
+absent from its environment: the config must do everything. What the plugin patches
+in this process when a config switches the guard on is undone after each in-process
+engine (:func:`plugin_patches_undone`), so the session's other engines stay stock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from .conftest import HAVE_ENGINE, SKIP_REASON
+
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not HAVE_ENGINE, reason=SKIP_REASON)]
+
+if HAVE_ENGINE:
+    from .conftest import shutdown
+    from .engine import (
+        ENGINE_KWARGS,
+        ENV,
+        Result,
+        apply_env,
+        faults_fired,
+        generate,
+        non_finite_blocks,
+        restore_env,
+        scheduler,
+        tokens,
+        trigger,
+        with_token,
+    )
+    from .test_serve import Server, _flags, _free_port, _stop, _wait_ready
+
+GUARD_CONFIG = {"kvguard": {}}
+"""The whole of what a user gives: the guard with its default settings."""
+UNSET = ("KVGUARD_GUARD", "VLLM_COMPUTE_NANS_IN_LOGITS")
+
+
+@contextlib.contextmanager
+def plugin_patches_undone() -> Iterator[pytest.MonkeyPatch]:
+    """What the plugin changes in this process when an engine's config switches the
+    guard on (vLLM classes, the environment, its own state) is put back on exit."""
+    import vllm.v1.worker.gpu_model_runner as v1_runner
+    from vllm.config.scheduler import SchedulerConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from kvguard.adapters.vllm import plugin, worker_nans
+
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setattr(
+            KVCacheConfig,
+            "needs_kv_cache_zeroing",
+            KVCacheConfig.__dict__["needs_kv_cache_zeroing"],
+        )
+        mp.setattr(SchedulerConfig, "get_scheduler_cls", SchedulerConfig.get_scheduler_cls)
+        mp.setattr(
+            KVConnectorFactory,
+            "get_connector_class",
+            KVConnectorFactory.__dict__["get_connector_class"],
+        )
+        mp.setattr(KVConnectorFactory, "_registry", dict(KVConnectorFactory._registry))
+        mp.setattr(worker_nans, "_installed", False)
+        mp.setattr(sys, "meta_path", list(sys.meta_path))
+        mp.setattr(v1_runner, "count_nans_per_row", v1_runner.count_nans_per_row)
+        runner = v1_runner.GPUModelRunner
+        mp.setattr(runner, "_bookkeeping_sync", runner._bookkeeping_sync)
+        mp.setattr(plugin, "_active", False, raising=False)
+        mp.setattr(plugin, "_by_config", False, raising=False)
+        for key in UNSET:
+            mp.delenv(key, raising=False)
+        plugin.register()  # the start-up hooks (vLLM loaded the plugin before, too)
+        yield mp
+    finally:
+        mp.undo()
+
+
+def _in_process_engine(model_dir: str, **kwargs: Any) -> Any:
+    from vllm import LLM
+
+    saved = apply_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    try:
+        return LLM(model=model_dir, **ENGINE_KWARGS, **kwargs)
+    finally:
+        restore_env(saved)
+
+
+def _chunk_2_fault() -> list[int]:
+    """A 158-token prompt whose second prefill chunk (positions 64..127) computes NaN."""
+    return with_token(tokens(301, 158), 90, trigger(0))
+
+
+# ---------------------------------------------------------------- in-process
+
+
+def test_additional_config_alone_switches_the_guard_on_in_process(
+    model_dir: str, reference: Any
+) -> None:
+    a = _chunk_2_fault()
+    (ref,) = generate(reference, [a])
+    with plugin_patches_undone():
+        stock = _in_process_engine(model_dir)
+        try:
+            assert type(scheduler(stock)).__name__ == "Scheduler"
+            (out,) = generate(stock, [a])
+            assert (90, trigger(0)) in faults_fired(stock)
+            assert out.finish_reason == "length" and out.token_ids != ref.token_ids
+        finally:
+            shutdown(stock)
+
+        guarded = _in_process_engine(model_dir, additional_config=GUARD_CONFIG)
+        try:
+            sched = scheduler(guarded)
+            assert type(sched).__name__ == "GuardedScheduler"
+            assert sched.kvguard_pool.core is not None
+            assert os.environ.get("VLLM_COMPUTE_NANS_IN_LOGITS") == "1"  # set by the plugin
+            assert sched.kv_cache_config.needs_kv_cache_zeroing
+            (out,) = generate(guarded, [a])
+            assert (90, trigger(0)) in faults_fired(guarded)
+            assert out == Result((), "error", out.num_cached_tokens)
+        finally:
+            shutdown(guarded)
+
+
+def test_a_worker_the_plugin_did_not_reach_refuses_the_start(model_dir: str) -> None:
+    """The engine core asks every worker whether the guard is in force there; a worker
+    where kvguard's plugin did not run (here: its hooks taken out of the worker class)
+    cannot say, and the engine does not start. Stock vLLM would start, unguarded."""
+    from vllm.v1.worker.worker_base import WorkerBase, WorkerWrapperBase
+
+    from kvguard.adapters.vllm import plugin
+
+    with plugin_patches_undone() as mp:
+        mp.setattr(WorkerBase, "__init__", WorkerBase.__init__.__wrapped__)
+        mp.delattr(WorkerWrapperBase, plugin.REPORT)
+        with pytest.raises(Exception, match="kvguard was asked for") as raised:
+            _in_process_engine(model_dir, additional_config=GUARD_CONFIG)
+    message = str(raised.value)
+    assert "--additional-config" in message and "worker" in message, message
+
+
+def test_nan_counting_switched_off_refuses_the_start(model_dir: str) -> None:
+    with plugin_patches_undone() as mp:
+        mp.setenv("VLLM_COMPUTE_NANS_IN_LOGITS", "0")
+        with pytest.raises(Exception, match="VLLM_COMPUTE_NANS_IN_LOGITS='0'"):
+            _in_process_engine(model_dir, additional_config=GUARD_CONFIG)
+
+
+# ---------------------------------------------------------------- multiprocess
+
+
+def test_additional_config_alone_switches_the_guard_on_in_the_multiprocess_engine(
+    model_dir: str, reference: Any
+) -> None:
+    """The engine core and its worker run in a process of their own, which inherits no
+    kvguard setting: the config it is sent is enough. A fails in chunk 2 and ends with
+    "error"; R then reuses A's quarantined blocks, which the worker zeroed first."""
+    from vllm import LLM
+
+    a = _chunk_2_fault()
+    r = tokens(302, 120)
+    (ref_r,) = generate(reference, [r], max_tokens=4)
+    env = dict(ENV, VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+    saved = apply_env(env)
+    removed = {key: os.environ.pop(key) for key in UNSET if key in os.environ}
+    try:
+        llm = LLM(model=model_dir, **ENGINE_KWARGS, additional_config=GUARD_CONFIG)
+    finally:
+        os.environ.update(removed)
+        restore_env(saved)
+    try:
+        assert type(llm.llm_engine.engine_core).__name__ == "SyncMPClient"
+        (a_out,) = generate(llm, [a])
+        assert (a_out.token_ids, a_out.finish_reason) == ((), "error")
+        (r_out,) = generate(llm, [r], max_tokens=4)
+        assert r_out.token_ids == ref_r.token_ids
+        assert not non_finite_blocks(llm)
+    finally:
+        shutdown(llm)
+
+
+# ---------------------------------------------------------------- vllm serve
+
+
+def _metrics(server: Server) -> dict[str, float]:
+    """kvguard's samples on the server's /metrics: ``name{labels}`` -> value."""
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    out = {}
+    for line in text.splitlines():
+        match = re.match(r"^(kvguard:\S+)\s+(\S+)$", line)
+        if match:
+            out[match.group(1)] = float(match.group(2))
+    assert "vllm:num_requests_running" in text  # vLLM's own metrics are still there
+    assert "kvguard:" not in "".join(
+        line for line in text.splitlines() if line.startswith("vllm:")
+    )  # none of kvguard's keys leaked into vLLM's own series
+    return out
+
+
+@pytest.mark.parametrize("switch", ["additional-config", "environment"])
+def test_vllm_serve_serves_kvguards_counters(
+    model_dir: str, reference: Any, tmp_path: Any, switch: str
+) -> None:
+    """``vllm serve ... --additional-config '{"kvguard": {}}'`` (or ``KVGUARD_GUARD=1``
+    in the server's environment): A fails in chunk 2 (500 to the client), R reuses A's
+    two quarantined blocks. The API server's /metrics then shows kvguard's counters as
+    the engine core counted them: one request aborted, two blocks quarantined, two
+    zeroed, and at least A's four full blocks whose schedule-time publication was
+    withheld."""
+    a = _chunk_2_fault()
+    r = tokens(303, 120)
+    (ref_r,) = generate(reference, [r], max_tokens=4)
+    port = _free_port()
+    env = {**os.environ, **ENV}
+    for key in (*UNSET, "VLLM_ENABLE_V1_MULTIPROCESSING"):
+        env.pop(key, None)
+    log = str(tmp_path / "serve.log")
+    flags = _flags(model_dir, port)
+    if switch == "environment":
+        env["KVGUARD_GUARD"] = "1"
+    else:
+        flags += ["--additional-config", json.dumps(GUARD_CONFIG)]
+    with open(log, "wb") as sink:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *flags],
+            env=env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    server = Server(f"guarded by {switch}", f"http://127.0.0.1:{port}", model_dir, process, log)
+    try:
+        _wait_ready(server)
+        before = _metrics(server)
+        assert not before.get('kvguard:requests_aborted_total{engine="0"}')
+        status, body = server.complete(a)
+        assert status == 500, body
+        status, body = server.complete(r, max_tokens=4)
+        assert status == 200 and body["choices"][0]["token_ids"] == list(ref_r.token_ids)
+        after = _metrics(server)
+    finally:
+        _stop(server)
+    sample = 'kvguard:{}_total{{engine="0"}}'.format
+    assert after[sample("requests_aborted")] == 1, after
+    assert after[sample("blocks_quarantined")] == 2, after
+    assert after[sample("blocks_zeroed")] == 2, after
+    assert after[sample("withheld_publications")] >= 4, after
