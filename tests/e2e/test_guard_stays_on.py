@@ -262,3 +262,58 @@ def test_vllm_serve_serves_kvguards_counters(
     assert after[sample("blocks_quarantined")] == 2, after
     assert after[sample("blocks_zeroed")] == 2, after
     assert after[sample("withheld_publications")] >= 4, after
+
+
+# ---------------------------------------------------------------- pooling models
+
+
+def test_a_pooling_model_runs_unguarded_with_one_log_line(
+    model_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The tiny Llama as an embedding model (vLLM's pooling runner), the guard asked
+    for: the engine starts, embeds, and says once that it runs the model unguarded.
+    (Before, the guarded scheduler refused the first output: no NaN counts.) Driven
+    through vLLM's ``LLMEngine`` (``LLM.embed`` needs a tokenizer the model lacks)."""
+    import vllm.envs
+    from vllm import PoolingParams, TokensPrompt
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    with plugin_patches_undone():
+        vllm.envs.disable_envs_cache()
+        saved = apply_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+        try:
+            engine_args = EngineArgs(
+                model=model_dir,
+                runner="pooling",
+                convert="embed",
+                additional_config=GUARD_CONFIG,
+                **ENGINE_KWARGS,
+            )
+            llm_engine = LLMEngine.from_engine_args(engine_args)
+        finally:
+            restore_env(saved)
+        try:
+            sched = llm_engine.engine_core.engine_core.scheduler
+            assert type(sched).__name__ == "GuardedScheduler"
+            assert sched.kvguard_pool.core is None  # pass-through
+            for i in range(3):
+                llm_engine.add_request(
+                    f"e{i}",
+                    TokensPrompt(prompt_token_ids=tokens(310 + i, 40)),
+                    PoolingParams(task="embed"),
+                )
+            done = {}
+            for _ in range(20):
+                for out in llm_engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                if len(done) == 3:
+                    break
+            assert sorted(done) == ["e0", "e1", "e2"]
+            assert all(len(o.outputs.data) == 128 for o in done.values())
+        finally:
+            with contextlib.suppress(Exception):
+                llm_engine.engine_core.shutdown()
+    lines = [r.getMessage() for r in caplog.records if "is a pooling model" in r.getMessage()]
+    assert len(lines) == 1 and "pass-through" in lines[0], lines

@@ -47,7 +47,7 @@ def _pooler_output(so: object, done: set[str]) -> ModelRunnerOutput:
 def test_a_pooling_model_runs_in_pass_through_with_one_log_line(
     async_scheduling: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO)
+    caplog.set_level(logging.WARNING)
     s = make_scheduler(runner="pooling", async_scheduling=async_scheduling)
     prompts = {"e1": list(range(100, 100 + 2 * BLOCK + 3)), "e2": list(range(400, 420))}
     for rid, prompt in prompts.items():

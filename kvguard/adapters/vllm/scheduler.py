@@ -89,7 +89,7 @@ class _GuardMixin:
         if guard.enabled and is_pooling_model(self.vllm_config):
             # Embedding/reranking steps sample nothing and vLLM counts no NaNs for
             # them: no step could validate. vLLM's own pool and code paths run them.
-            logger.info(
+            logger.warning(
                 "kvguard: %s is a pooling model (runner %r): its outputs carry no NaN "
                 "counts, so the guard runs it in pass-through mode (vLLM's own KV cache "
                 "behaviour, unguarded)",
