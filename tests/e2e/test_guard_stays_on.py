@@ -46,7 +46,7 @@ if HAVE_ENGINE:
     )
     from .test_serve import Server, _flags, _free_port, _stop, _wait_ready
 
-GUARD_CONFIG = {"kvguard": {}}
+GUARD_CONFIG: dict[str, dict[str, Any]] = {"kvguard": {}}
 """The whole of what a user gives: the guard with its default settings."""
 UNSET = ("KVGUARD_GUARD", "VLLM_COMPUTE_NANS_IN_LOGITS")
 
