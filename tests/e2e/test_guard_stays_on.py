@@ -165,12 +165,15 @@ def test_nan_counting_switched_off_refuses_the_start(model_dir: str) -> None:
 # ---------------------------------------------------------------- multiprocess
 
 
+@pytest.mark.parametrize("executor", ["uni", "mp"], ids=["worker-in-engine-core", "worker-process"])
 def test_additional_config_alone_switches_the_guard_on_in_the_multiprocess_engine(
-    model_dir: str, reference: Any
+    model_dir: str, reference: Any, executor: str
 ) -> None:
-    """The engine core and its worker run in a process of their own, which inherits no
-    kvguard setting: the config it is sent is enough. A fails in chunk 2 and ends with
-    "error"; R then reuses A's quarantined blocks, which the worker zeroed first."""
+    """The engine core runs in a process of its own, which inherits no kvguard setting,
+    its worker in it (``uni``) or in another process again (``mp``: vLLM's
+    multiprocess executor, whose worker the engine core asks over its message queue):
+    the config they are sent is enough. A fails in chunk 2 and ends with "error"; R
+    then reuses A's quarantined blocks, which the worker zeroed first."""
     from vllm import LLM
 
     a = _chunk_2_fault()
@@ -180,7 +183,12 @@ def test_additional_config_alone_switches_the_guard_on_in_the_multiprocess_engin
     saved = apply_env(env)
     removed = {key: os.environ.pop(key) for key in UNSET if key in os.environ}
     try:
-        llm = LLM(model=model_dir, **ENGINE_KWARGS, additional_config=GUARD_CONFIG)
+        llm = LLM(
+            model=model_dir,
+            **ENGINE_KWARGS,
+            additional_config=GUARD_CONFIG,
+            distributed_executor_backend=executor,
+        )
     finally:
         os.environ.update(removed)
         restore_env(saved)
