@@ -346,13 +346,8 @@ class BlockSteps(PoolCore):
                 num_held += 1
             block.pending_publication = None
             block_hash, parent_hash, owner = pending
-            if tainted:
-                if parent_hash in tainted:  # chained on KV found corrupt: never matchable
-                    if block_hash not in index:  # (else a sound copy holds that hash)
-                        tainted.add(block_hash)
-                    self._counters.tainted_publications_refused += 1
-                    continue
-                tainted.discard(block_hash)  # computed afresh, on a sound prefix
+            if tainted and self._chained_on_taint(block_hash, parent_hash):
+                continue  # never published, never hashed (not storable either)
             block.block_hash = block_hash
             block.parent_hash = parent_hash
             if block_hash in index:

@@ -179,6 +179,21 @@ class PoolCore:
         block.pending_publication = None
         self._counters.blocks_quarantined += 1
 
+    def _chained_on_taint(self, block_hash: BlockHash, parent: BlockHash | None) -> bool:
+        """The taint rule of every publication path, while any hash is tainted: a
+        block chained on a tainted hash descends from corrupt KV, so it is refused
+        (True) and its own hash is tainted too, unless a sound copy holds that hash;
+        otherwise the block was computed afresh on a sound prefix, and its hash is
+        sound again."""
+        tainted = self._tainted
+        if parent in tainted:
+            if block_hash not in self._index:
+                tainted.add(block_hash)
+            self._counters.tainted_publications_refused += 1
+            return True
+        tainted.discard(block_hash)
+        return False
+
     def _record(self, request_id: str) -> RequestRecord:
         try:
             return self._requests[request_id]

@@ -310,13 +310,8 @@ class RequestSteps(PoolCore):
                 continue  # a prefix hit (already published) or tainted meanwhile
             block_hash = hashes[i]
             parent = hashes[i - 1] if i else None
-            if tainted:
-                if parent in tainted:  # chained on KV found corrupt: never matchable
-                    if block_hash not in index:  # (else a sound copy holds that hash)
-                        tainted.add(block_hash)
-                    self._counters.tainted_publications_refused += 1
-                    continue
-                tainted.discard(block_hash)  # computed afresh, on a sound prefix
+            if tainted and self._chained_on_taint(block_hash, parent):
+                continue  # never published, never hashed (not storable either)
             block.block_hash = block_hash
             block.parent_hash = parent
             if caching and block_hash not in index:
