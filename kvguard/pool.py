@@ -42,7 +42,7 @@ from kvguard.recovery import Recovery
 from kvguard.request_steps import RequestSteps
 from kvguard.results import SlotRange
 from kvguard.states import MATCHABLE_STATES, BlockState
-from kvguard.stats import PoolStats
+from kvguard.stats import Counters, PoolStats
 from kvguard.tier_gate import TierGate
 from kvguard.zeroing import ZeroPolicy
 
@@ -215,6 +215,11 @@ class BlockPool(RequestSteps, Recovery, BlockSteps, TierGate):
             stores_in_flight=len(self._tiers.tickets),
             counters=dataclasses.replace(self._counters),
         )
+
+    def counters(self) -> Counters:
+        """A copy of the cumulative counters alone: ``stats().counters`` without the
+        walk over every block (for callers that read them every step)."""
+        return dataclasses.replace(self._counters)
 
     def _blocks_by_state(self) -> dict[BlockState, int]:
         """Counted by walking the blocks: O(num_blocks), paid by stats() callers only,

@@ -325,6 +325,7 @@ def entry_points(w: World) -> dict[str, dict[str, tuple[str, object]]]:
 
 NO_ARGUMENTS = {
     "check_invariants",
+    "counters",
     "get_num_free_blocks",
     "snapshot",
     "stats",

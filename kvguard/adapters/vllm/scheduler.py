@@ -613,7 +613,7 @@ class _GuardMixin:
         out = self.kvguard_metrics.as_dict()
         core = self.kvguard_pool.core
         if core is not None:
-            counters = core.stats().counters
+            counters = core.counters()  # (stats() would walk every block, every step)
             out["blocks_quarantined"] = counters.blocks_quarantined
             out["withheld_publications"] = counters.withheld_publications
             out["dropped_acks"] = counters.dropped_acks
