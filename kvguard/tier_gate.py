@@ -128,8 +128,9 @@ class TierGate(PoolCore):
 
         A request holding a tainted block computed everything after it on corrupt KV:
         it is aborted (a ``RequestAborted`` event; ``report.requests`` names it), its
-        blocks past the first tainted one that are not published are quarantined, and
-        its validated boundary moves back to that block's start -- so
+        blocks past the first tainted one are quarantined (cached ones leave the index,
+        which may reach more holders), and its validated boundary moves back to that
+        block's start -- so
         :meth:`zero_request_tail` resumes it from before the taint (when it holds the
         tainted block alone), or it is freed. Until a tainted hash is published again
         by a step that computed it afresh, no block chained on it is published, on
