@@ -81,37 +81,45 @@ def in_process() -> Iterator[None]:
         engine.restore_env(saved)
 
 
-@contextlib.contextmanager
-def guard_in_this_process() -> Iterator[None]:
-    """kvguard's plugin in force in this process (what ``KVGUARD_GUARD=1`` does when
-    vLLM loads its plugins), undone on exit. Engines built inside keep the guard for
-    their lifetime; tear them down before leaving."""
+def undo_plugin_patches_with(mp: pytest.MonkeyPatch) -> None:
+    """Make ``mp.undo()`` put back everything kvguard's plugin patches in this process
+    (vLLM classes, the NaN counting hook, kvguard's own import hook and state)."""
     import vllm.v1.worker.gpu_model_runner as v1_runner
     from vllm.config.scheduler import SchedulerConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-    from kvguard.adapters.vllm import plugin, worker_nans
+    from kvguard.adapters.vllm import worker_nans
+
+    mp.setattr(
+        KVCacheConfig,
+        "needs_kv_cache_zeroing",
+        KVCacheConfig.__dict__["needs_kv_cache_zeroing"],
+    )
+    mp.setattr(SchedulerConfig, "get_scheduler_cls", SchedulerConfig.get_scheduler_cls)
+    mp.setattr(
+        KVConnectorFactory,
+        "get_connector_class",
+        KVConnectorFactory.__dict__["get_connector_class"],
+    )
+    mp.setattr(KVConnectorFactory, "_registry", dict(KVConnectorFactory._registry))
+    mp.setattr(worker_nans, "_installed", False)
+    mp.setattr(sys, "meta_path", list(sys.meta_path))
+    mp.setattr(v1_runner, "count_nans_per_row", v1_runner.count_nans_per_row)
+    runner = v1_runner.GPUModelRunner
+    mp.setattr(runner, "_bookkeeping_sync", runner._bookkeeping_sync)
+
+
+@contextlib.contextmanager
+def guard_in_this_process() -> Iterator[None]:
+    """kvguard's plugin in force in this process (what ``KVGUARD_GUARD=1`` does when
+    vLLM loads its plugins), undone on exit. Engines built inside keep the guard for
+    their lifetime; tear them down before leaving."""
+    from kvguard.adapters.vllm import plugin
 
     mp = pytest.MonkeyPatch()
     try:
-        mp.setattr(
-            KVCacheConfig,
-            "needs_kv_cache_zeroing",
-            KVCacheConfig.__dict__["needs_kv_cache_zeroing"],
-        )
-        mp.setattr(SchedulerConfig, "get_scheduler_cls", SchedulerConfig.get_scheduler_cls)
-        mp.setattr(
-            KVConnectorFactory,
-            "get_connector_class",
-            KVConnectorFactory.__dict__["get_connector_class"],
-        )
-        mp.setattr(KVConnectorFactory, "_registry", dict(KVConnectorFactory._registry))
-        mp.setattr(worker_nans, "_installed", False)
-        mp.setattr(sys, "meta_path", list(sys.meta_path))
-        mp.setattr(v1_runner, "count_nans_per_row", v1_runner.count_nans_per_row)
-        runner = v1_runner.GPUModelRunner
-        mp.setattr(runner, "_bookkeeping_sync", runner._bookkeeping_sync)
+        undo_plugin_patches_with(mp)
         mp.setenv("KVGUARD_GUARD", "1")
         plugin.register()
         yield

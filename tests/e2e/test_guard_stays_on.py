@@ -55,32 +55,13 @@ UNSET = ("KVGUARD_GUARD", "VLLM_COMPUTE_NANS_IN_LOGITS")
 def plugin_patches_undone() -> Iterator[pytest.MonkeyPatch]:
     """What the plugin changes in this process when an engine's config switches the
     guard on (vLLM classes, the environment, its own state) is put back on exit."""
-    import vllm.v1.worker.gpu_model_runner as v1_runner
-    from vllm.config.scheduler import SchedulerConfig
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from kvguard.adapters.vllm import plugin
 
-    from kvguard.adapters.vllm import plugin, worker_nans
+    from .conftest import undo_plugin_patches_with
 
     mp = pytest.MonkeyPatch()
     try:
-        mp.setattr(
-            KVCacheConfig,
-            "needs_kv_cache_zeroing",
-            KVCacheConfig.__dict__["needs_kv_cache_zeroing"],
-        )
-        mp.setattr(SchedulerConfig, "get_scheduler_cls", SchedulerConfig.get_scheduler_cls)
-        mp.setattr(
-            KVConnectorFactory,
-            "get_connector_class",
-            KVConnectorFactory.__dict__["get_connector_class"],
-        )
-        mp.setattr(KVConnectorFactory, "_registry", dict(KVConnectorFactory._registry))
-        mp.setattr(worker_nans, "_installed", False)
-        mp.setattr(sys, "meta_path", list(sys.meta_path))
-        mp.setattr(v1_runner, "count_nans_per_row", v1_runner.count_nans_per_row)
-        runner = v1_runner.GPUModelRunner
-        mp.setattr(runner, "_bookkeeping_sync", runner._bookkeeping_sync)
+        undo_plugin_patches_with(mp)
         mp.setattr(plugin, "_active", False, raising=False)
         mp.setattr(plugin, "_by_config", False, raising=False)
         for key in UNSET:
