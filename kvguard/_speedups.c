@@ -1,17 +1,19 @@
-/* kvguard._speedups: compiled fast paths of the pool's block-level hot operations.
+/* kvguard._speedups: compiled twins of the transition kernel's hot primitives.
  *
  * An engine's scheduler calls the pool several times per step (vLLM: allocation,
  * prefix hits, frees, the validation pass); in pure Python each call's per-block
  * loop and its layers of calls cost more than vLLM's own pool does for the same
  * blocks. Each method of FastPath here does, for the *common* case, exactly what the
- * Python code in kvguard/block_steps.py and kvguard/pool_core.py does -- the same
+ * Python primitive of kvguard/transition_kernel.py of the same name does -- the same
  * state changes, the same order -- or changes nothing and returns None/False, and the
  * Python path (the reference, which names every error) runs instead.
  *
  * The block records stay Python objects (a slots dataclass, which vLLM reads as its
  * KVCacheBlock): their fields are read and written here through the offsets of their
- * slot descriptors, looked up once. States are the BlockState members the Python side
- * passes in, read off its one transition table; nothing here decides a transition.
+ * slot descriptors, looked up once; the free queue's and the zero queue's structures
+ * are the ones those classes declare for their compiled twins (kvguard/free_queue.py,
+ * kvguard/zeroing.py). States are the BlockState members the kernel passes in, read off
+ * its one transition table; nothing here decides a transition.
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -40,12 +42,13 @@ typedef struct {
     PyObject *block_removed;           /* kvguard.events.BlockRemoved */
     PyObject *zero_blocks;             /* the zero queue's dict of block ids */
     PyObject *tainted;                 /* the pool's set of tainted hashes */
+    PyObject *events;                  /* the event log (a list), or None: not recorded */
     int zero_all;                      /* zero_policy ALL: every allocation queues zeroing */
     int zero_suspect;                  /* zero_policy SUSPECT: reused quarantined blocks do */
     Py_ssize_t off_block_id, off_state, off_ref_cnt, off_block_hash, off_parent_hash,
         off_generation, off_external_refs, off_writers, off_pending, off_size, off_first,
         off_num_evictable, off_evictable, off_blocks_evicted, off_blocks_zeroed, off_blocks_quarantined,
-        off_retention;
+        off_blocks_published, off_withheld_publications, off_retention;
 } FastPath;
 
 #define FIELD(obj, off) (*(PyObject **)((char *)(obj) + (off)))
@@ -184,6 +187,8 @@ FastPath_dealloc(FastPath *self)
     Py_CLEAR(self->counters);
     Py_CLEAR(self->block_removed);
     Py_CLEAR(self->zero_blocks);
+    Py_CLEAR(self->tainted);
+    Py_CLEAR(self->events);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -203,6 +208,7 @@ FastPath_traverse(FastPath *self, visitproc visit, void *arg)
     Py_VISIT(self->block_removed);
     Py_VISIT(self->zero_blocks);
     Py_VISIT(self->tainted);
+    Py_VISIT(self->events);
     return 0;
 }
 
@@ -217,6 +223,7 @@ FastPath_clear(FastPath *self)
     Py_CLEAR(self->counters);
     Py_CLEAR(self->zero_blocks);
     Py_CLEAR(self->tainted);
+    Py_CLEAR(self->events);
     return 0;
 }
 
@@ -228,20 +235,24 @@ FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
                              "free", "validated", "published", "quarantined_state",
                              "stays_cached", "acquirable",
                              "evict_to", "counters", "block_removed", "zero_blocks",
-                             "tainted", "zero_all", "zero_suspect", NULL};
+                             "tainted", "events", "zero_all", "zero_suspect", NULL};
     PyObject *block_type, *blocks, *free_queue, *empty, *quarantined, *index;
     PyObject *st[7], *stays_cached, *acquirable, *evict_to, *counters, *block_removed;
-    PyObject *zero_blocks, *tainted;
+    PyObject *zero_blocks, *tainted, *events;
     int zero_all, zero_suspect;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!OO!O!O!OOOOOOOO!O!O!OOO!O!pp", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!OO!O!O!OOOOOOOO!O!O!OOO!O!Opp", kwlist,
                                      &PyType_Type, &block_type, &PyList_Type, &blocks,
                                      &free_queue, &PyList_Type, &empty, &PyList_Type,
                                      &quarantined, &PyDict_Type, &index, &st[0], &st[1], &st[2],
                                      &st[3], &st[4], &st[5], &st[6], &PyTuple_Type, &stays_cached,
                                      &PyTuple_Type, &acquirable, &PyDict_Type, &evict_to,
                                      &counters, &block_removed, &PyDict_Type, &zero_blocks,
-                                     &PySet_Type, &tainted, &zero_all, &zero_suspect))
+                                     &PySet_Type, &tainted, &events, &zero_all, &zero_suspect))
         return -1;
+    if (events != Py_None && !PyList_CheckExact(events)) {
+        PyErr_SetString(PyExc_TypeError, "FastPath: events must be a list or None");
+        return -1;
+    }
     if (!PyList_CheckExact(blocks) || !PyList_CheckExact(empty) ||
         !PyList_CheckExact(quarantined) || !PyDict_CheckExact(index)) {
         PyErr_SetString(PyExc_TypeError, "FastPath needs plain lists and a plain dict");
@@ -270,10 +281,14 @@ FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
     if ((self->off_pending = slot_offset(block_type, "pending_publication")) < 0)
         return -1;
     PyObject *queue_type = (PyObject *)Py_TYPE(free_queue);
+    PyObject *counters_type = (PyObject *)Py_TYPE(counters);
     if ((self->off_size = slot_offset(queue_type, "size")) < 0 ||
-        (self->off_first = slot_offset(queue_type, "_first")) < 0 ||
-        (self->off_num_evictable = slot_offset(queue_type, "_num_evictable")) < 0 ||
-        (self->off_evictable = slot_offset(queue_type, "_evictable")) < 0 ||
+        (self->off_first = slot_offset(queue_type, "first")) < 0 ||
+        (self->off_num_evictable = slot_offset(queue_type, "num_evictable")) < 0 ||
+        (self->off_evictable = slot_offset(queue_type, "evictable")) < 0 ||
+        (self->off_blocks_published = slot_offset(counters_type, "blocks_published")) < 0 ||
+        (self->off_withheld_publications =
+             slot_offset(counters_type, "withheld_publications")) < 0 ||
         (self->off_blocks_evicted =
              slot_offset((PyObject *)Py_TYPE(counters), "blocks_evicted")) < 0 ||
         (self->off_blocks_zeroed =
@@ -305,6 +320,7 @@ FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
     KEEP(block_removed, block_removed)
     KEEP(zero_blocks, zero_blocks)
     KEEP(tainted, tainted)
+    KEEP(events, events)
 #undef KEEP
     self->zero_all = zero_all;
     self->zero_suspect = zero_suspect;
@@ -350,7 +366,7 @@ evict_into(FastPath *self, PyObject *ids, Py_ssize_t start, Py_ssize_t count, Py
         }
         Py_XDECREF(popitem);
         if (!failed && in_bucket == 0) {
-            PyObject *r = PyObject_CallMethod(self->free_queue, "_drop_class", "O", retention);
+            PyObject *r = PyObject_CallMethod(self->free_queue, "drop_eviction_class", "O", retention);
             failed = r == NULL;
             Py_XDECREF(r);
         }
@@ -435,33 +451,35 @@ tail_is_sound(FastPath *self, PyObject *from, Py_ssize_t count)
     return 1;
 }
 
-/* allocate(n, write, events: list | None) -> list[int] | None
+/* allocate(n, held, write) -> list[int] | None
  *
- * _take_free(n, external_refs=1, write) unless the zeroing policy is "all": the ids
+ * TransitionKernel.allocate(n, held, write) unless the zeroing policy is "all": the ids
  * FreeQueue.take(n) hands out -- quarantined blocks first (queued for zeroing under
  * the "suspect" policy), then FREE ones, then cached ones in eviction order, which are
- * EVICTed (their hashes leave the index; one BlockRemoved event in `events` unless it
- * is None) -- each block then ALLOCATED (or WRITTEN by one step), ref_cnt 1, one
- * block-level reference, its generation bumped. None: nothing taken (the Python path
- * decides, or raises OutOfBlocksError).
+ * EVICTed (their hashes leave the index; one BlockRemoved event in the event log unless
+ * events are not recorded) -- each block then ALLOCATED (or WRITTEN by one step),
+ * ref_cnt 1 (a block-level reference if held), its generation bumped. None: nothing
+ * taken (the Python primitive decides, or raises OutOfBlocksError).
  */
 static PyObject *
 FastPath_allocate(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "allocate(n, write, events)");
+        PyErr_SetString(PyExc_TypeError, "allocate(n, held, write)");
         return NULL;
     }
-    PyObject *events = args[2];
-    if (self->blocks == NULL || self->zero_all || !PyLong_CheckExact(args[0]) ||
-        (events != Py_None && !PyList_CheckExact(events)))
+    PyObject *events = self->events;
+    if (self->blocks == NULL || self->zero_all || !PyLong_CheckExact(args[0]))
         Py_RETURN_NONE;
     Py_ssize_t n = PyLong_AsSsize_t(args[0]);
     if (n == -1 && PyErr_Occurred()) {
         PyErr_Clear();
         Py_RETURN_NONE;
     }
-    int write = PyObject_IsTrue(args[1]);
+    int held = PyObject_IsTrue(args[1]);
+    if (held < 0)
+        return NULL;
+    int write = PyObject_IsTrue(args[2]);
     if (write < 0)
         return NULL;
     long size, generation = 0, blocks_zeroed = 0;
@@ -510,7 +528,7 @@ FastPath_allocate(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
         }
         set_field(block, self->off_state, state);
         set_field(block, self->off_ref_cnt, one);
-        set_field(block, self->off_external_refs, one);
+        set_field(block, self->off_external_refs, held ? one : zero);
         set_field(block, self->off_writers, writers);
         failed = add_to_field(block, self->off_generation, generation, 1) < 0;
     }
@@ -543,7 +561,7 @@ enqueue_evictable(FastPath *self, PyObject *blocks)
                 goto error;
         }
         if (!same) {
-            Py_XSETREF(bucket, PyObject_CallMethod(self->free_queue, "_class", "O", retention));
+            Py_XSETREF(bucket, PyObject_CallMethod(self->free_queue, "eviction_class", "O", retention));
             if (bucket == NULL)
                 goto error;
             Py_INCREF(retention);
@@ -564,9 +582,9 @@ error:
     return -1;
 }
 
-/* release(ids: list[int], steps_passed) -> list[Block] | None
+/* release_held(ids: list[int], steps_passed) -> list[Block] | None
  *
- * release_blocks' reference-dropping pass: one block-level reference of each id in
+ * TransitionKernel.release_held's reference-dropping pass: one block-level reference of each id in
  * turn; a block whose last reference goes is *cached* (a state a release leaves
  * cached), *freed* (ALLOCATED, or WRITTEN with steps_passed and no publication
  * waiting: it becomes FREE and joins the free queue's FREE blocks here),
@@ -581,7 +599,7 @@ static PyObject *
 FastPath_release(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "release(ids, steps_passed)");
+        PyErr_SetString(PyExc_TypeError, "release_held(ids, steps_passed)");
         return NULL;
     }
     PyObject *ids = args[0];
@@ -715,25 +733,26 @@ error:
     return NULL;
 }
 
-/* validate(ids: list[int], publish: dict | None) -> (published, duplicates, held) | None
+/* validate_held(ids: list[int], publish: dict | None)
+ *     -> (validated, published, duplicates) | None
  *
- * validate_blocks' usual case followed by _validate_and_publish: ids distinct, each
+ * TransitionKernel.validate_held's usual case, while events are not recorded (None
+ * otherwise, and the Python primitive runs): ids distinct, each
  * block WRITTEN by exactly one step in flight (checked here: None, nothing changed,
  * otherwise). Each becomes VALIDATED; its publication -- publish[id] if there is
  * one (counted in held), else the one it carries -- happens now: the hash and parent
  * set, and PUBLISHED in the index unless the index holds that hash already (then a
- * duplicate, VALIDATED with its hash). The caller counts, builds the result and
- * records events (it takes the Python path when events are recorded).
+ * duplicate, VALIDATED with its hash). Publications and held ones are counted.
  */
 static PyObject *
 FastPath_validate(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "validate(ids, publish)");
+        PyErr_SetString(PyExc_TypeError, "validate_held(ids, publish)");
         return NULL;
     }
     PyObject *ids = args[0], *publish = args[1];
-    if (self->blocks == NULL || !PyList_CheckExact(ids) ||
+    if (self->blocks == NULL || self->events != Py_None || !PyList_CheckExact(ids) ||
         (publish != Py_None && !PyDict_CheckExact(publish)))
         Py_RETURN_NONE;
     Py_ssize_t n = PyList_GET_SIZE(ids);
@@ -834,7 +853,11 @@ FastPath_validate(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
         if (failed)
             goto error;
     }
-    PyObject *result = Py_BuildValue("(OOn)", published, duplicates, held);
+    if ((held && bump_field(self->counters, self->off_withheld_publications, held) < 0) ||
+        (PyList_GET_SIZE(published) &&
+         bump_field(self->counters, self->off_blocks_published, PyList_GET_SIZE(published)) < 0))
+        goto error;
+    PyObject *result = PyTuple_Pack(3, ids, published, duplicates);
     Py_DECREF(published);
     Py_DECREF(duplicates);
     return result;
@@ -865,7 +888,7 @@ take_out_of_eviction(FastPath *self, PyObject *block)
     if (left < 0)
         return -1;
     if (left == 0) {
-        PyObject *r = PyObject_CallMethod(self->free_queue, "_drop_class", "O", retention);
+        PyObject *r = PyObject_CallMethod(self->free_queue, "drop_eviction_class", "O", retention);
         if (r == NULL)
             return -1;
         Py_DECREF(r);
@@ -876,15 +899,24 @@ take_out_of_eviction(FastPath *self, PyObject *block)
     return 0;
 }
 
-/* acquire(ids: list[int]) -> bool
+/* acquire(ids: list[int], held) -> bool
  *
- * acquire_blocks(ids): every id names a block in a state ACQUIRE leaves as it is
- * (PUBLISHED/OFFLOADED), else False and nothing changed. Each takes a reference and
- * a block-level one; a block taken from zero references leaves the eviction queue.
+ * TransitionKernel.acquire(ids, held): every id names a block in a state ACQUIRE
+ * leaves as it is (PUBLISHED/OFFLOADED), else False and nothing changed. Each takes a
+ * reference (a block-level one if held); a block taken from zero references leaves
+ * the eviction queue.
  */
 static PyObject *
-FastPath_acquire(FastPath *self, PyObject *ids)
+FastPath_acquire(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
 {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "acquire(ids, held)");
+        return NULL;
+    }
+    PyObject *ids = args[0];
+    int held = PyObject_IsTrue(args[1]);
+    if (held < 0)
+        return NULL;
     if (self->blocks == NULL || !PyList_CheckExact(ids))
         Py_RETURN_FALSE;
     Py_ssize_t n = PyList_GET_SIZE(ids);
@@ -905,7 +937,7 @@ FastPath_acquire(FastPath *self, PyObject *ids)
         }
         get_long(block, self->off_external_refs, &refs);
         if (add_to_field(block, self->off_ref_cnt, ref_cnt, 1) < 0 ||
-            add_to_field(block, self->off_external_refs, refs, 1) < 0)
+            (held && add_to_field(block, self->off_external_refs, refs, 1) < 0))
             return NULL;
     }
     Py_RETURN_TRUE;
@@ -913,12 +945,13 @@ FastPath_acquire(FastPath *self, PyObject *ids)
 
 static PyMethodDef FastPath_methods[] = {
     {"allocate", (PyCFunction)(void (*)(void))FastPath_allocate, METH_FASTCALL,
-     "allocate(n, write, events) -> list[int] | None"},
-    {"release", (PyCFunction)(void (*)(void))FastPath_release, METH_FASTCALL,
-     "release(ids, steps_passed) -> list[Block] | None"},
-    {"validate", (PyCFunction)(void (*)(void))FastPath_validate, METH_FASTCALL,
-     "validate(ids, publish) -> (published, duplicates, held) | None"},
-    {"acquire", (PyCFunction)FastPath_acquire, METH_O, "acquire(ids) -> bool"},
+     "allocate(n, held, write) -> list[int] | None"},
+    {"release_held", (PyCFunction)(void (*)(void))FastPath_release, METH_FASTCALL,
+     "release_held(ids, steps_passed) -> list[Block] | None"},
+    {"validate_held", (PyCFunction)(void (*)(void))FastPath_validate, METH_FASTCALL,
+     "validate_held(ids, publish) -> (validated, published, duplicates) | None"},
+    {"acquire", (PyCFunction)(void (*)(void))FastPath_acquire, METH_FASTCALL,
+     "acquire(ids, held) -> bool"},
     {NULL, NULL, 0, NULL},
 };
 

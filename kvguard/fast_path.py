@@ -1,14 +1,17 @@
-"""The pool's compiled fast paths (the optional C extension ``kvguard._speedups``).
+"""The compiled twins of the transition kernel's hot primitives (the optional C
+extension ``kvguard._speedups``).
 
 An engine's scheduler calls the pool several times per step, and in pure Python
 kvguard's allocation, release, prefix-hit and validation calls cost more than vLLM's
-own pool does for the same blocks (``docs/vllm.md``, "What it costs"). The extension
-does the common case of each of those four block-level calls in C (and the vLLM
-adapter's noting of filled blocks, :func:`fill_notes`), with exactly the effects of
-the Python code; anything else -- bad input, the zeroing policy "all", a validation
-while kvguard records events, a clean release whose block still waits for its
-publication -- takes the Python path, which stays the reference and names every error.
-Both are tested against each other (``tests/test_fast_path.py``).
+own pool does for the same blocks (``docs/benchmarks.md``). The extension does the
+common case of four primitives of :class:`kvguard.transition_kernel.TransitionKernel`
+in C -- ``allocate``, ``acquire``, ``release_held``, ``validate_held``, same names, same
+arguments -- (and the vLLM adapter's noting of filled blocks, :func:`fill_notes`), with
+exactly the effects of the Python primitive; anything else -- the zeroing policy "all",
+a validation while kvguard records events, a release or validation that must raise, a
+clean release whose block still waits for its publication -- declines (None/False,
+nothing changed) and the Python primitive runs: it stays the reference and names every
+error. Both are tested against each other (``tests/test_fast_path.py``).
 
 It is built when the package is installed from source with a C compiler at hand;
 without one, or with ``KVGUARD_PURE_PYTHON=1`` in the environment when a pool is
@@ -22,7 +25,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvguard.block import Block
-from kvguard.events import BlockRemoved
+from kvguard.events import BlockRemoved, PoolEvent
 from kvguard.free_queue import FreeQueue
 from kvguard.hashing import BlockHash
 from kvguard.states import BlockState
@@ -63,6 +66,7 @@ def fast_path(
     counters: Counters,
     zero_blocks: dict[int, None],
     tainted: set[BlockHash],
+    events: list[PoolEvent] | None,
     zero_all: bool,
     zero_suspect: bool,
 ) -> FastPath | None:
@@ -78,6 +82,7 @@ def fast_path(
     quarantined blocks join it, bumping ``counters.blocks_zeroed``; ``zero_all``: every
     allocation takes the Python path). A validation publishing a hash that is in
     ``tainted`` (the pool's set), or chained on one, takes the Python path.
+    ``events`` is the kernel's event log, or None while events are not recorded.
     """
     if not available():
         return None
@@ -85,8 +90,8 @@ def fast_path(
         block_type,
         blocks,
         free,
-        free._empty,  # the queue's own lists, appended to and popped in place
-        free._quarantined,
+        free.empty,  # the queue's own lists, appended to and popped in place
+        free.quarantined,
         index,
         allocated,
         written_from_allocated,
@@ -102,6 +107,7 @@ def fast_path(
         BlockRemoved,
         zero_blocks,
         tainted,
+        events,
         zero_all,
         zero_suspect,
     )

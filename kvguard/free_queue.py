@@ -25,17 +25,23 @@ _FREE = BlockState.FREE
 
 
 class FreeQueue:
-    __slots__ = ("_empty", "_evictable", "_first", "_num_evictable", "_quarantined", "size")
+    """The free queue. Its fields are public for one reader and writer besides its own
+    methods: the transition kernel's compiled twins (``kvguard._speedups``), which pop
+    and append ``quarantined`` and ``empty`` in place, pop and fill eviction classes
+    through ``first``/:meth:`eviction_class`/:meth:`drop_eviction_class`, and keep
+    ``size`` and ``num_evictable`` in step. Everyone else reads them at most."""
+
+    __slots__ = ("empty", "evictable", "first", "num_evictable", "quarantined", "size")
 
     def __init__(self) -> None:
-        self._quarantined: list[int] = []
-        self._empty: list[int] = []
+        self.quarantined: list[int] = []
+        self.empty: list[int] = []
         # retention -> block ids in release order (oldest first).
-        self._evictable: SortedDict = SortedDict()
+        self.evictable: SortedDict = SortedDict()
         # (retention, bucket) of the lowest retention class, evicted first: looked up
         # on every evicting allocation, changed only when a class appears or empties.
-        self._first: tuple[int, OrderedDict[int, None]] | None = None
-        self._num_evictable = 0
+        self.first: tuple[int, OrderedDict[int, None]] | None = None
+        self.num_evictable = 0
         self.size = 0
         """Blocks queued, all tiers: kept as one number because engines ask for it on
         every allocation (vLLM: once per scheduled request)."""
@@ -43,75 +49,71 @@ class FreeQueue:
     def __len__(self) -> int:
         return self.size
 
-    @property
-    def num_evictable(self) -> int:
-        return self._num_evictable
-
     def push(self, block: Block) -> None:
         """Enqueue a block whose reference count just reached zero."""
         state = block.state
         if state is _QUARANTINED:
-            self._quarantined.append(block.block_id)
+            self.quarantined.append(block.block_id)
             self.size += 1
         elif state is _FREE:
-            self._empty.append(block.block_id)
+            self.empty.append(block.block_id)
             self.size += 1
         else:
             self.push_evictable([block])
 
     def push_all_empty(self, block_ids: list[int]) -> None:
         """Enqueue FREE blocks so that ``block_ids[0]`` is handed out first."""
-        self._empty.extend(reversed(block_ids))
+        self.empty.extend(reversed(block_ids))
         self.size += len(block_ids)
 
     def push_empty(self, block_ids: list[int]) -> None:
         """Enqueue FREE blocks (batched :meth:`push`)."""
-        self._empty.extend(block_ids)
+        self.empty.extend(block_ids)
         self.size += len(block_ids)
 
-    def _class(self, retention: int) -> OrderedDict[int, None]:
+    def eviction_class(self, retention: int) -> OrderedDict[int, None]:
         """The eviction queue of one retention class, created on first use."""
-        bucket: OrderedDict[int, None] | None = self._evictable.get(retention)
+        bucket: OrderedDict[int, None] | None = self.evictable.get(retention)
         if bucket is None:
-            bucket = self._evictable[retention] = OrderedDict()
-            if self._first is None or retention < self._first[0]:
-                self._first = (retention, bucket)
+            bucket = self.evictable[retention] = OrderedDict()
+            if self.first is None or retention < self.first[0]:
+                self.first = (retention, bucket)
         return bucket
 
-    def _drop_class(self, retention: int) -> None:
+    def drop_eviction_class(self, retention: int) -> None:
         """Forget an emptied retention class."""
-        del self._evictable[retention]
-        first = self._first
+        del self.evictable[retention]
+        first = self.first
         if first is not None and first[0] == retention:
-            self._first = self._evictable.peekitem(0) if self._evictable else None
+            self.first = self.evictable.peekitem(0) if self.evictable else None
 
     def push_evictable(self, blocks: list[Block]) -> None:
         """Enqueue cached blocks, ``blocks[0]`` to be evicted first (batched :meth:`push`)."""
         key = blocks[0].retention
-        bucket = self._class(key)
+        bucket = self.eviction_class(key)
         for block in blocks:
             if block.retention != key:
                 key = block.retention
-                bucket = self._class(key)
+                bucket = self.eviction_class(key)
             bucket[block.block_id] = None
-        self._num_evictable += len(blocks)
+        self.num_evictable += len(blocks)
         self.size += len(blocks)
 
     def push_evictable_ids(self, retention: int, block_ids: list[int]) -> None:
         """Enqueue cached blocks of one retention class, ``block_ids[0]`` evicted first."""
-        bucket = self._class(retention)
+        bucket = self.eviction_class(retention)
         # A plain loop: OrderedDict.update() is about twice as slow here.
         for block_id in block_ids:
             bucket[block_id] = None
-        self._num_evictable += len(block_ids)
+        self.num_evictable += len(block_ids)
         self.size += len(block_ids)
 
     def take_empty(self, n: int) -> list[int] | None:
         """The fast path of :meth:`take`: the next ``n`` ids when they are all FREE
         blocks (no quarantined block waiting, enough empty ones); else None and nothing
         taken."""
-        empty = self._empty
-        if self._quarantined or len(empty) < n:
+        empty = self.empty
+        if self.quarantined or len(empty) < n:
             return None
         ids = empty[-n:]
         del empty[-n:]
@@ -124,8 +126,8 @@ class FreeQueue:
         ``q`` ids were quarantined and the last ``e`` were cached (now evicted); the
         caller checked ``0 < n <= len(self)``."""
         self.size -= n
-        quarantined = self._quarantined
-        empty = self._empty
+        quarantined = self.quarantined
+        empty = self.empty
         ids = []
         left = n
         num_quarantined = 0
@@ -144,9 +146,9 @@ class FreeQueue:
             left -= k
         num_evicted = left
         if left:
-            self._num_evictable -= left
+            self.num_evictable -= left
             while left:
-                first = self._first
+                first = self.first
                 assert first is not None, "take() past the end of the free queue"
                 retention, bucket = first
                 k = min(left, len(bucket))
@@ -154,28 +156,28 @@ class FreeQueue:
                 ids += [pop(False)[0] for _ in range(k)]
                 left -= k
                 if not bucket:
-                    self._drop_class(retention)
+                    self.drop_eviction_class(retention)
         return ids, num_quarantined, num_evicted
 
     def remove_evictable(self, block: Block) -> None:
         """Take a cached block out of the queue (a prefix hit, or an invalidation)."""
-        bucket = self._evictable[block.retention]
+        bucket = self.evictable[block.retention]
         del bucket[block.block_id]
         if not bucket:
-            self._drop_class(block.retention)
-        self._num_evictable -= 1
+            self.drop_eviction_class(block.retention)
+        self.num_evictable -= 1
         self.size -= 1
 
     def snapshot(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         """(quarantined, empty, evictable-in-eviction-order), for checks and tests."""
-        evictable = tuple(bid for bucket in self._evictable.values() for bid in bucket)
-        return tuple(self._quarantined), tuple(self._empty), evictable
+        evictable = tuple(bid for bucket in self.evictable.values() for bid in bucket)
+        return tuple(self.quarantined), tuple(self.empty), evictable
 
     def clear_evictable(self) -> list[int]:
         """Remove and return every evictable block id (prefix-cache reset)."""
-        out = [bid for bucket in self._evictable.values() for bid in bucket]
-        self._evictable.clear()
-        self._first = None
-        self.size -= self._num_evictable
-        self._num_evictable = 0
+        out = [bid for bucket in self.evictable.values() for bid in bucket]
+        self.evictable.clear()
+        self.first = None
+        self.size -= self.num_evictable
+        self.num_evictable = 0
         return out

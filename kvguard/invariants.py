@@ -29,7 +29,7 @@ def check_pool(pool: BlockPool) -> None:
     problems: list[str] = []
     add = problems.append
     size = pool.block_size
-    blocks = pool._blocks
+    blocks = pool._kernel.blocks
 
     # Rule 4: reference counts are exactly the table entries plus block-level holders.
     table_refs: Counter[int] = Counter()
@@ -70,12 +70,12 @@ def check_pool(pool: BlockPool) -> None:
 
     # Rule 4: the free queue holds exactly the blocks with no reference, each once,
     # each in the tier its state calls for.
-    quarantined, empty, evictable = pool._free.snapshot()
+    quarantined, empty, evictable = pool._kernel.free.snapshot()
     queued = quarantined + empty + evictable
     if len(set(queued)) != len(queued):
         add(f"free queue lists a block twice: {sorted(queued)}")
-    if pool._free.size != len(queued):
-        add(f"free queue counts {pool._free.size} blocks, holds {len(queued)}")
+    if pool._kernel.free.size != len(queued):
+        add(f"free queue counts {pool._kernel.free.size} blocks, holds {len(queued)}")
     unreferenced = {b.block_id for b in blocks if b.ref_cnt == 0}
     if set(queued) != unreferenced:
         add(
@@ -91,9 +91,9 @@ def check_pool(pool: BlockPool) -> None:
     for bid in evictable:
         if blocks[bid].state not in MATCHABLE_STATES:
             add(f"block {bid} in the evictable tier is {blocks[bid].state.name}")
-    classes = pool._free._evictable
+    classes = pool._kernel.free.evictable
     lowest = classes.peekitem(0) if classes else None
-    first = pool._free._first
+    first = pool._kernel.free.first
     if (first is None) != (lowest is None) or (
         first is not None
         and lowest is not None
@@ -102,21 +102,21 @@ def check_pool(pool: BlockPool) -> None:
         add(f"free queue's first eviction class {first!r} is not the lowest {lowest!r}")
     if any(not bucket for bucket in classes.values()):
         add("free queue keeps an empty eviction class")
-    for retention, bucket in pool._free._evictable.items():
+    for retention, bucket in pool._kernel.free.evictable.items():
         for bid in bucket:
             if blocks[bid].retention != retention:
                 add(f"block {bid} sits in retention class {retention}, has {blocks[bid].retention}")
 
     # Rule 1: the index maps exactly the matchable blocks, each under its own hash.
-    for block_hash, bid in pool._index.items():
+    for block_hash, bid in pool._kernel.index.items():
         block = blocks[bid]
         if block.state not in MATCHABLE_STATES or block.block_hash != block_hash:
             add(f"index entry {block_hash.hex()} -> block {bid} ({block.state.name})")
     matchable = [b for b in blocks if b.state in MATCHABLE_STATES]
-    if len(matchable) != len(pool._index):
-        add(f"{len(matchable)} matchable blocks but {len(pool._index)} index entries")
+    if len(matchable) != len(pool._kernel.index):
+        add(f"{len(matchable)} matchable blocks but {len(pool._kernel.index)} index entries")
     # Nothing matchable carries a hash found corrupt (invalidate) and not recomputed.
-    tainted = pool._tainted
+    tainted = pool._kernel.tainted
     for block in matchable if tainted else ():
         if block.block_hash in tainted:
             add(f"block {block.block_id} is {block.state.name} under a tainted hash")
@@ -220,10 +220,10 @@ def take_snapshot(pool: BlockPool) -> PoolSnapshot:
     return PoolSnapshot(
         blocks=tuple(
             (BlockInfo.of(b), b.external_refs, b.parent_hash, b.writers, b.pending_publication)
-            for b in pool._blocks
+            for b in pool._kernel.blocks
         ),
-        free_queue=pool._free.snapshot(),
-        index=tuple(sorted(pool._index.items())),
+        free_queue=pool._kernel.free.snapshot(),
+        index=tuple(sorted(pool._kernel.index.items())),
         requests=tuple(
             RequestSnapshot(
                 rid,
@@ -239,11 +239,11 @@ def take_snapshot(pool: BlockPool) -> PoolSnapshot:
             )
             for rid, rec in sorted(pool._requests.items())
         ),
-        zero_blocks=pool._zero.pending_blocks(),
-        zero_slots=pool._zero.pending_slots(),
-        num_events=len(pool._events),
+        zero_blocks=pool._kernel.zero.pending_blocks(),
+        zero_slots=pool._kernel.zero.pending_slots(),
+        num_events=len(pool._kernel.events),
         tickets=tuple(sorted(pool._tiers.tickets)),
         tier_copies=tuple(sorted((h, tuple(sorted(t))) for h, t in pool._tiers.copies.items())),
-        tainted=tuple(sorted(pool._tainted)),
-        counters=dataclasses.replace(pool._counters),
+        tainted=tuple(sorted(pool._kernel.tainted)),
+        counters=dataclasses.replace(pool._kernel.counters),
     )

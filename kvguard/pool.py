@@ -37,7 +37,6 @@ from kvguard.errors import PoolMisuseError
 from kvguard.events import AllBlocksCleared, PoolEvent
 from kvguard.hashing import BlockHash, BlockHasher, default_block_hasher
 from kvguard.invariants import PoolSnapshot, check_pool, take_snapshot
-from kvguard.pool_core import _EVICT
 from kvguard.recovery import Recovery
 from kvguard.request_steps import RequestSteps
 from kvguard.results import SlotRange
@@ -112,7 +111,7 @@ class BlockPool(RequestSteps, Recovery, BlockSteps, TierGate):
             record_events=record_events,
             block_type=block_type,
         )
-        self._index_view = MappingProxyType(self._index)
+        self._index_view = MappingProxyType(self._kernel.index)
         if check_invariants is None:
             check_invariants = os.environ.get(CHECK_INVARIANTS_ENV, "") not in ("", "0")
         arguments.flag("check_invariants", check_invariants)
@@ -140,35 +139,30 @@ class BlockPool(RequestSteps, Recovery, BlockSteps, TierGate):
         for block_id in held:
             self._block(block_id)  # raises UnknownBlockError
         kept = set(held)
-        if any(block.ref_cnt for block in self._blocks if block.block_id not in kept):
+        kernel = self._kernel
+        if any(block.ref_cnt for block in kernel.blocks if block.block_id not in kept):
             return False
         if any(self._block(b).state in MATCHABLE_STATES for b in kept):
             raise PoolMisuseError("keep_held names a cached block; release it first")
-        blocks = self._blocks
-        for block_id in self._free.clear_evictable():
-            block = blocks[block_id]
-            self._move(block, _EVICT)
-            block.block_hash = None
-            block.parent_hash = None
-            self._free.push(block)
-        self._index.clear()
+        kernel.evict_all()
         if self.record_events:
-            self._events.append(AllBlocksCleared())
+            kernel.events.append(AllBlocksCleared())
         return True
 
     def take_blocks_to_zero(self) -> list[int]:
         """Block ids the engine must zero (every layer) before its next step runs."""
-        return self._zero.take_blocks()
+        return self._kernel.zero.take_blocks()
 
     def take_slots_to_zero(self) -> list[SlotRange]:
         """Token slots the engine must wipe (every layer) before its next step runs."""
-        return self._zero.take_slots()
+        return self._kernel.zero.take_slots()
 
     def take_events(self) -> list[PoolEvent]:
         """Events since the last call, oldest first."""
-        events = self._events
-        self._events = []
-        return events
+        events = self._kernel.events
+        out = events[:]
+        events.clear()  # in place: the kernel's compiled twins append to this list
+        return out
 
     @property
     def prefix_index(self) -> Mapping[BlockHash, int]:
@@ -185,7 +179,7 @@ class BlockPool(RequestSteps, Recovery, BlockSteps, TierGate):
         hands them to vLLM as its blocks). Read-only by contract: kvguard writes them;
         :meth:`block_info` is the checked, snapshot way to look at one block.
         """
-        return self._blocks
+        return self._kernel.blocks
 
     def block_info(self, block_id: int) -> BlockInfo:
         return BlockInfo.of(self._block(block_id))
@@ -200,32 +194,33 @@ class BlockPool(RequestSteps, Recovery, BlockSteps, TierGate):
 
     def get_num_free_blocks(self) -> int:
         """Blocks an allocation can take now (free, quarantined and evictable)."""
-        return self._free.size
+        return self._kernel.free.size
 
     def stats(self) -> PoolStats:
+        kernel = self._kernel
         return PoolStats(
             num_blocks=self.num_blocks,
             block_size=self.block_size,
             blocks_by_state=self._blocks_by_state(),
-            num_free=len(self._free),
-            num_evictable=self._free.num_evictable,
+            num_free=kernel.free.size,
+            num_evictable=kernel.free.num_evictable,
             num_requests=len(self._requests),
-            zero_queue_blocks=len(self._zero.pending_blocks()),
-            zero_queue_slots=len(self._zero.pending_slots()),
+            zero_queue_blocks=len(kernel.zero.blocks),
+            zero_queue_slots=len(kernel.zero.pending_slots()),
             stores_in_flight=len(self._tiers.tickets),
-            counters=dataclasses.replace(self._counters),
+            counters=dataclasses.replace(kernel.counters),
         )
 
     def counters(self) -> Counters:
         """A copy of the cumulative counters alone: ``stats().counters`` without the
         walk over every block (for callers that read them every step)."""
-        return dataclasses.replace(self._counters)
+        return dataclasses.replace(self._kernel.counters)
 
     def _blocks_by_state(self) -> dict[BlockState, int]:
         """Counted by walking the blocks: O(num_blocks), paid by stats() callers only,
         so that no transition on the hot paths has to keep a tally."""
         counts = dict.fromkeys(BlockState, 0)
-        for state, n in Counter(block.state for block in self._blocks).items():
+        for state, n in Counter(block.state for block in self._kernel.blocks).items():
             counts[state] = n
         return counts
 

@@ -10,9 +10,9 @@ from collections import deque
 
 from kvguard import arguments
 from kvguard.errors import PoolMisuseError, RollbackError
-from kvguard.pool_core import _VALIDATE, _WRITE, PoolCore, _cdiv
+from kvguard.pool_core import PoolCore, _cdiv
 from kvguard.results import SlotRange, TailRollback
-from kvguard.states import MATCHABLE_STATES, BlockEvent
+from kvguard.states import MATCHABLE_STATES
 
 
 class Recovery(PoolCore):
@@ -51,7 +51,8 @@ class Recovery(PoolCore):
                     "invalidated KV, and cannot be kept"
                 )
         size = self.block_size
-        blocks = self._blocks
+        kernel = self._kernel
+        blocks = kernel.blocks
         table = rec.blocks
         affected = range(boundary // size, _cdiv(old, size) if boundary < old else 0)
         for i in affected:
@@ -69,15 +70,8 @@ class Recovery(PoolCore):
             lo = max(boundary, i * size) - i * size
             hi = min(old, (i + 1) * size) - i * size
             slots.append(SlotRange(block.block_id, lo, hi))
-            self._move(block, BlockEvent.ROLLBACK)
-            block.block_hash = None
-            block.parent_hash = None
-            block.generation += 1
-            # Replay the ledger for the tokens this block keeps (at most the first one).
-            if lo:
-                self._move(block, _WRITE)
-                if i * size + lo <= new_validated:
-                    self._move(block, _VALIDATE)
+            # The ledger is replayed for the tokens this block keeps (its first lo).
+            kernel.rollback(block.block_id, lo, i * size + lo <= new_validated)
         kept = deque(end for end in rec.pending if end < boundary)
         if boundary > (kept[-1] if kept else new_validated):
             kept.append(boundary)  # the step that straddled the boundary, truncated
@@ -95,6 +89,6 @@ class Recovery(PoolCore):
             if not rec.explicit_hashes:
                 del rec.block_hashes[len(rec.token_ids) // size :]
         result = TailRollback(request_id, boundary, old - boundary, tuple(slots))
-        self._zero.add_slots(result.slots)
-        self._counters.slots_zeroed += old - boundary
+        kernel.zero.add_slots(result.slots)
+        kernel.counters.slots_zeroed += old - boundary
         return result

@@ -11,10 +11,8 @@ from collections import deque
 from collections.abc import Sequence
 
 from kvguard import arguments
-from kvguard.block import Block
 from kvguard.errors import (
     DuplicateRequestError,
-    IllegalTransitionError,
     NoPendingStepError,
     NotAllocatedError,
     OutOfBlocksError,
@@ -24,21 +22,12 @@ from kvguard.errors import (
 )
 from kvguard.events import BlockStored, RequestAborted
 from kvguard.hashing import BlockHash
-from kvguard.ledger import RequestRecord
-from kvguard.pool_core import (
-    _FAIL,
-    _PUBLISH_FROM_VALIDATED,
-    _STAYS_CACHED,
-    _VALIDATE_FROM_WRITTEN,
-    _VALIDATED,
-    _WRITE,
-    _WRITE_TO,
-    _WRITTEN,
-    PoolCore,
-    _cdiv,
-)
+from kvguard.pool_core import PoolCore, _cdiv
+from kvguard.request_record import RequestRecord
 from kvguard.results import PrefixHit, RequestProgress, StepOutcome, StepResult, TokenRange
-from kvguard.states import MATCHABLE_STATES
+from kvguard.states import MATCHABLE_STATES, BlockState
+
+_WRITTEN = BlockState.WRITTEN
 
 
 class RequestSteps(PoolCore):
@@ -81,7 +70,7 @@ class RequestSteps(PoolCore):
             num_prompt_tokens=len(tokens),
         )
         self._requests[request_id] = rec
-        self._counters.requests_added += 1
+        self._kernel.counters.requests_added += 1
 
     def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> tuple[int, ...]:
         """Record token ids that became known (sampled outputs, the next prompt chunk).
@@ -120,9 +109,10 @@ class RequestSteps(PoolCore):
             limit = min(limit, max_tokens)
         ids: list[int] = []
         gens: list[int] = []
+        kernel = self._kernel
         if self.enable_caching:
-            index = self._index
-            blocks = self._blocks
+            index = kernel.index
+            blocks = kernel.blocks
             for block_hash in self._hash_blocks(rec, limit // size)[: limit // size]:
                 block_id = index.get(block_hash)
                 if block_id is None:
@@ -134,12 +124,28 @@ class RequestSteps(PoolCore):
                 # block twice in a block table: the hit ends before the first repeat.
                 first_repeat = next(i for i, b in enumerate(ids) if b in ids[:i])
                 del ids[first_repeat:], gens[first_repeat:]
-        counters = self._counters
+        counters = kernel.counters
         counters.lookups += 1
         counters.lookup_query_tokens += limit
         counters.lookup_hit_tokens += len(ids) * size
         hit = rec.hit = PrefixHit(request_id, tuple(ids), tuple(gens), len(ids) * size)
         return hit
+
+    def _hash_blocks(self, rec: RequestRecord, n: int) -> list[BlockHash]:
+        """Hash the request's first ``n`` blocks as far as its known token ids allow;
+        returns its hash list (shorter than ``n`` while token ids are missing)."""
+        hashes = rec.block_hashes
+        if rec.explicit_hashes or len(hashes) >= n:
+            return hashes
+        size = self.block_size
+        tokens = rec.token_ids
+        hasher = self._hasher
+        salt = rec.salt
+        parent = hashes[-1] if hashes else None
+        for j in range(len(hashes), min(n, len(tokens) // size)):
+            parent = hasher(parent, tokens[j * size : (j + 1) * size], salt)
+            hashes.append(parent)
+        return hashes
 
     def _check_hit(self, rec: RequestRecord, hit: object) -> PrefixHit:
         """The hit, if it is the one :meth:`lookup` last returned for this very request
@@ -162,7 +168,7 @@ class RequestSteps(PoolCore):
                 f"request {rec.request_id!r} already holds blocks; a prefix hit is only "
                 "used by its first allocation"
             )
-        blocks = self._blocks
+        blocks = self._kernel.blocks
         for block_id, generation in zip(hit.block_ids, hit.generations, strict=True):
             block = blocks[block_id]
             if block.generation != generation or block.state not in MATCHABLE_STATES:
@@ -189,10 +195,10 @@ class RequestSteps(PoolCore):
         if hit is not None:
             have += len(hit.block_ids)
             # A hit on an evictable block takes it out of the free queue.
-            blocks = self._blocks
+            blocks = self._kernel.blocks
             pinned = sum(1 for b in hit.block_ids if blocks[b].ref_cnt == 0)
         need = _cdiv(num_tokens, self.block_size) - have
-        return need - (len(self._free) - pinned)
+        return need - (self._kernel.free.size - pinned)
 
     def allocate(
         self, request_id: str, num_tokens: int, *, hit: PrefixHit | None = None
@@ -216,12 +222,13 @@ class RequestSteps(PoolCore):
         if short > 0:
             need = _cdiv(num_tokens, self.block_size) - len(rec.blocks)
             raise OutOfBlocksError(need, need - short)
+        kernel = self._kernel
         if hit is not None and hit.block_ids:
-            self._acquire(hit.block_ids, 0)
+            kernel.acquire(list(hit.block_ids))
             rec.blocks.extend(hit.block_ids)
             rec.num_written = rec.num_validated = hit.num_tokens
             rec.publish_cursor = len(hit.block_ids)
-        new = self._take_free(_cdiv(num_tokens, self.block_size) - len(rec.blocks))
+        new = kernel.allocate(_cdiv(num_tokens, self.block_size) - len(rec.blocks))
         rec.blocks.extend(new)
         return tuple(new)
 
@@ -244,22 +251,11 @@ class RequestSteps(PoolCore):
                 f"({len(rec.blocks) * size} tokens) but the step writes up to token {end}; "
                 "allocate() first"
             )
-        blocks = self._blocks
-        table = rec.blocks
-        first = start // size
-        last = (end - 1) // size
-        for i in range(first, last + 1):
-            block = blocks[table[i]]
-            state = block.state
-            if state is not _WRITTEN:
-                # _move(block, WRITE), inlined: this runs for every block of a prompt.
-                new = _WRITE_TO.get(state)
-                if new is None:
-                    raise IllegalTransitionError(block.block_id, state, _WRITE)
-                block.state = new
+        kernel = self._kernel
+        kernel.write(rec.blocks[start // size : (end - 1) // size + 1])
         if self.enable_caching:
             # Blocks this step fills: vLLM 0.33 would publish them now, unvalidated.
-            self._counters.withheld_publications += end // size - start // size
+            kernel.counters.withheld_publications += end // size - start // size
         rec.num_written = end
         rec.pending.append(end)
         return TokenRange(start, end)
@@ -274,14 +270,18 @@ class RequestSteps(PoolCore):
         rec.num_validated = end
         size = self.block_size
         written = rec.num_written
-        blocks = self._blocks
+        kernel = self._kernel
+        blocks = kernel.blocks
         table = rec.blocks
-        for i in range(start // size, (end - 1) // size + 1):
-            block = blocks[table[i]]
-            # Only blocks none of whose written tokens is still in flight.
-            if block.state is _WRITTEN and min((i + 1) * size, written) <= end:
-                block.state = _VALIDATE_FROM_WRITTEN  # _move(block, VALIDATE), inlined
-        self._counters.steps_validated += 1
+        # Only blocks none of whose written tokens is still in flight.
+        kernel.validate(
+            [
+                table[i]
+                for i in range(start // size, (end - 1) // size + 1)
+                if blocks[table[i]].state is _WRITTEN and min((i + 1) * size, written) <= end
+            ]
+        )
+        kernel.counters.steps_validated += 1
         published = self._publish_ready(rec)
         return StepResult(
             request_id, StepOutcome.VALIDATED, TokenRange(start, end), end, published=published
@@ -296,39 +296,18 @@ class RequestSteps(PoolCore):
             return ()
         hashes = self._hash_blocks(rec, limit)
         stop = min(limit, len(hashes))  # beyond: token ids not known yet
-        blocks = self._blocks
-        table = rec.blocks
-        index = self._index
-        caching = self.enable_caching
-        published_ids: list[int] = []
-        published_hashes: list[BlockHash] = []
-        first_parent: BlockHash | None = None
-        tainted = self._tainted
-        for i in range(cursor, stop):
-            block = blocks[table[i]]
-            if block.state is not _VALIDATED:
-                continue  # a prefix hit (already published) or tainted meanwhile
-            block_hash = hashes[i]
-            parent = hashes[i - 1] if i else None
-            if tainted and self._chained_on_taint(block_hash, parent):
-                continue  # never published, never hashed (not storable either)
-            block.block_hash = block_hash
-            block.parent_hash = parent
-            if caching and block_hash not in index:
-                block.state = _PUBLISH_FROM_VALIDATED  # _move(block, PUBLISH), inlined
-                index[block_hash] = block.block_id
-                if not published_ids:
-                    first_parent = parent
-                published_ids.append(block.block_id)
-                published_hashes.append(block_hash)
-        rec.publish_cursor = stop
-        if not published_ids:
+        if cursor >= stop:
             return ()
-        n = len(published_ids)
-        self._counters.blocks_published += n
-        ids = tuple(published_ids)
+        kernel = self._kernel
+        published, published_hashes, first_parent = kernel.publish_chain(
+            rec.blocks[cursor:stop], hashes[cursor:stop], hashes[cursor - 1] if cursor else None
+        )
+        rec.publish_cursor = stop
+        if not published:
+            return ()
+        ids = tuple(published)
         if self.record_events:
-            self._events.append(
+            kernel.events.append(
                 BlockStored(rec.request_id, tuple(published_hashes), ids, first_parent)
             )
         return ids
@@ -366,22 +345,17 @@ class RequestSteps(PoolCore):
         if end is None:
             return self._discard(rec)
         tokens = TokenRange(rec.num_validated, end)
-        blocks = self._blocks
-        quarantined: list[int] = []
-        for block_id in rec.blocks[rec.num_validated // self.block_size :]:
-            block = blocks[block_id]
-            if block.state is _WRITTEN:
-                self._quarantine(block, _FAIL)
-                quarantined.append(block_id)
+        kernel = self._kernel
+        quarantined = kernel.fail(rec.blocks[rec.num_validated // self.block_size :])
         rec.discarded = rec.pending
         rec.pending = deque()
         rec.aborted = True
-        counters = self._counters
+        counters = kernel.counters
         counters.steps_failed += 1
         counters.requests_aborted += 1
         ids = tuple(quarantined)
         if self.record_events:
-            self._events.append(RequestAborted(request_id, rec.num_validated, ids))
+            kernel.events.append(RequestAborted(request_id, rec.num_validated, ids))
         return StepResult(
             request_id, StepOutcome.FAILED, tokens, rec.num_validated, quarantined=ids
         )
@@ -395,25 +369,7 @@ class RequestSteps(PoolCore):
         """
         rec = self._record(request_id)
         del self._requests[request_id]
-        blocks = self._blocks
-        retention = rec.retention
-        cached: list[int] = []
-        released: list[Block] = []
-        for block_id in reversed(rec.blocks):
-            block = blocks[block_id]
-            ref = block.ref_cnt - 1
-            block.ref_cnt = ref
-            if ref:
-                continue
-            if block.state in _STAYS_CACHED:  # the common case, kept inline
-                block.retention = retention
-                cached.append(block_id)
-            else:
-                released.append(block)
-        if cached:
-            self._free.push_evictable_ids(retention, cached)
-        if released:
-            self._drop_last_refs(released, retention)
+        self._kernel.release_table(rec.blocks, rec.retention)
 
     def block_table(self, request_id: str) -> tuple[int, ...]:
         """The request's block ids, in token order."""

@@ -10,31 +10,10 @@ from kvguard import arguments
 from kvguard.errors import NotStorableError, UnknownTicketError
 from kvguard.events import BlockRemoved, RequestAborted
 from kvguard.hashing import BlockHash
-from kvguard.ledger import RequestRecord
 from kvguard.pool_core import PoolCore
+from kvguard.request_record import RequestRecord
 from kvguard.results import InvalidationReport, StoreTicket
-from kvguard.states import (
-    MATCHABLE_STATES,
-    STORABLE_STATES,
-    TRANSITIONS,
-    BlockEvent,
-    BlockState,
-)
-
-# STORE_ACK's row of the transition table, for ack_store's hot path: defined for every
-# storable state (checked at import).
-_STORE_ACK_TO = {
-    state: row[BlockEvent.STORE_ACK]
-    for state, row in TRANSITIONS.items()
-    if BlockEvent.STORE_ACK in row
-}
-assert _STORE_ACK_TO.keys() >= STORABLE_STATES
-# How a request's unpublished blocks after a tainted one are quarantined, by state.
-_TAINT_EVENT = {
-    BlockState.WRITTEN: BlockEvent.FAIL,
-    BlockState.VALIDATED: BlockEvent.INVALIDATE,
-}
-assert all(TRANSITIONS[s][e] is BlockState.QUARANTINED for s, e in _TAINT_EVENT.items())
+from kvguard.states import STORABLE_STATES, BlockState
 
 
 class TierGate(PoolCore):
@@ -45,7 +24,7 @@ class TierGate(PoolCore):
         hashed, and not already stored or being stored there."""
         rec = self._record(request_id)
         arguments.tier(tier)
-        blocks = self._blocks
+        blocks = self._kernel.blocks
         holds = self._tiers.holds
         out: list[int] = []
         for block_id in rec.blocks:
@@ -62,14 +41,14 @@ class TierGate(PoolCore):
             self._block(block_id)  # raises UnknownBlockError
         if type(tier) is not str:
             arguments.tier(tier)
-        block = self._blocks[block_id]
+        block = self._kernel.blocks[block_id]
         if block.state not in STORABLE_STATES or block.block_hash is None:
             raise NotStorableError(
                 f"block {block_id} is {block.state.name}"
                 + ("" if block.block_hash is not None else " without a hash")
                 + "; only validated, full, hashed blocks may be stored to a tier"
             )
-        self._counters.stores_started += 1
+        self._kernel.counters.stores_started += 1
         return self._tiers.issue(block_id, block.block_hash, block.generation, tier)
 
     def _retire(self, ticket: StoreTicket) -> None:
@@ -88,23 +67,19 @@ class TierGate(PoolCore):
         become OFFLOADED); False if the block was quarantined, invalidated or reused
         meanwhile — the tier must then discard the copy."""
         self._retire(ticket)
-        block = self._blocks[ticket.block_id]
-        if (
-            block.generation != ticket.generation
-            or block.block_hash != ticket.block_hash
-            or block.state not in STORABLE_STATES
-        ):
-            self._counters.dropped_acks += 1
+        kernel = self._kernel
+        if not kernel.store_ack(ticket.block_id, ticket.block_hash, ticket.generation):
+            kernel.counters.dropped_acks += 1
             return False
-        block.state = _STORE_ACK_TO[block.state]  # _move(block, STORE_ACK), inlined
-        self._tiers.add_copy(ticket.block_hash, block.parent_hash, ticket.tier)
-        self._counters.stores_acknowledged += 1
+        parent = kernel.blocks[ticket.block_id].parent_hash
+        self._tiers.add_copy(ticket.block_hash, parent, ticket.tier)
+        kernel.counters.stores_acknowledged += 1
         return True
 
     def fail_store(self, ticket: StoreTicket) -> None:
         """A tier reported that its copy failed; the block may be offered again."""
         self._retire(ticket)
-        self._counters.stores_failed += 1
+        self._kernel.counters.stores_failed += 1
 
     def forget_tier_copy(self, tier: str, block_hash: BlockHash) -> bool:
         """A tier evicted its copy on its own; returns False if it held none."""
@@ -140,8 +115,9 @@ class TierGate(PoolCore):
         arguments.flag("descendants", descendants)
         if descendants:
             self._add_descendants(targets)
+        kernel = self._kernel
         removed: list[tuple[BlockHash, int]] = []  # (hash, id) of cached blocks dropped
-        dropped = self._drop(targets, removed)
+        dropped = kernel.drop_hashes(targets, removed)
         # A request holding a dropped block computed what follows it on corrupt KV, so
         # its later blocks are tainted too; dropping cached ones among them can reach
         # more holders: repeat to a fixed point.
@@ -149,18 +125,18 @@ class TierGate(PoolCore):
         while more := self._taint_tails(set(dropped), first_tainted):
             new = dict.fromkeys(h for h in more if h not in targets)
             targets.update(new)
-            dropped.extend(self._drop(new, removed))
-        self._tainted.update(targets)
+            dropped.extend(kernel.drop_hashes(new, removed))
+        kernel.tainted.update(targets)
         tier_copies = [
             (tier, block_hash) for block_hash in targets for tier in self._tiers.purge(block_hash)
         ]
         if removed and self.record_events:
-            self._events.append(
+            kernel.events.append(
                 BlockRemoved(tuple(h for h, _ in removed), tuple(i for _, i in removed))
             )
         for rid, first in first_tainted.items():
             self._abort_tainted(self._requests[rid], first)
-        self._counters.hashes_invalidated += len(targets)
+        kernel.counters.hashes_invalidated += len(targets)
         return InvalidationReport(
             tuple(targets), tuple(dropped), tuple(tier_copies), tuple(first_tainted)
         )
@@ -168,7 +144,7 @@ class TierGate(PoolCore):
     def _add_descendants(self, targets: dict[BlockHash, None]) -> None:
         """Add every hash chained after one of ``targets`` (GPU blocks, tier copies)."""
         children: dict[BlockHash, list[BlockHash]] = {}
-        for block in self._blocks:
+        for block in self._kernel.blocks:
             if block.block_hash is not None and block.parent_hash is not None:
                 children.setdefault(block.parent_hash, []).append(block.block_hash)
         for child, parent in self._tiers.parents.items():
@@ -181,34 +157,10 @@ class TierGate(PoolCore):
                     targets[child] = None
                     queue.append(child)
 
-    def _drop(
-        self, targets: dict[BlockHash, None], removed: list[tuple[BlockHash, int]]
-    ) -> list[int]:
-        """Quarantine every block carrying one of ``targets``; cached ones leave the
-        index (``(hash, id)`` appended to ``removed``). Returns the quarantined ids."""
-        dropped: list[int] = []
-        if not targets:
-            return dropped
-        for block in self._blocks:
-            block_hash = block.block_hash
-            if block_hash is None or block_hash not in targets:
-                continue
-            if block.state in MATCHABLE_STATES:
-                del self._index[block_hash]
-                removed.append((block_hash, block.block_id))
-                if block.ref_cnt == 0:
-                    self._free.remove_evictable(block)
-            self._quarantine(block, BlockEvent.INVALIDATE)
-            if block.ref_cnt == 0:
-                self._free.push(block)
-            dropped.append(block.block_id)
-        return dropped
-
     def _taint_tails(self, dropped: set[int], first_tainted: dict[str, int]) -> list[BlockHash]:
         """For each request holding a block of ``dropped``: note its first such table
         position in ``first_tainted``, quarantine its later unpublished blocks, and
         return the hashes of its later cached blocks (to be dropped next)."""
-        blocks = self._blocks
         more: list[BlockHash] = []
         for rid, rec in self._requests.items():
             first = next((i for i, b in enumerate(rec.blocks) if b in dropped), None)
@@ -216,14 +168,7 @@ class TierGate(PoolCore):
                 continue
             if first_tainted.get(rid, first + 1) > first:
                 first_tainted[rid] = first
-            for block_id in rec.blocks[first + 1 :]:
-                block = blocks[block_id]
-                state = block.state
-                if state in MATCHABLE_STATES:
-                    assert block.block_hash is not None
-                    more.append(block.block_hash)
-                elif state in _TAINT_EVENT:
-                    self._quarantine(block, _TAINT_EVENT[state])
+            more.extend(self._kernel.quarantine_tail(rec.blocks[first + 1 :]))
         return more
 
     def _abort_tainted(self, rec: RequestRecord, first: int) -> None:
@@ -234,12 +179,13 @@ class TierGate(PoolCore):
         rec.publish_cursor = min(rec.publish_cursor, first)
         rec.discarded.extend(rec.pending)
         rec.pending.clear()
+        kernel = self._kernel
         if not rec.aborted:
             rec.aborted = True
-            self._counters.requests_aborted += 1
+            kernel.counters.requests_aborted += 1
         if self.record_events:
-            blocks = self._blocks
+            blocks = kernel.blocks
             quarantined = tuple(
                 b for b in rec.blocks[first:] if blocks[b].state is BlockState.QUARANTINED
             )
-            self._events.append(RequestAborted(rec.request_id, rec.num_validated, quarantined))
+            kernel.events.append(RequestAborted(rec.request_id, rec.num_validated, quarantined))

@@ -24,22 +24,24 @@ class ZeroPolicy(enum.Enum):
 
 
 class ZeroQueue:
-    __slots__ = ("_blocks", "_slots")
+    __slots__ = ("_slots", "blocks")
 
     def __init__(self) -> None:
         # An insertion-ordered set: a block re-queued before a drain is wiped once.
-        self._blocks: dict[int, None] = {}
+        # Public for the transition kernel's compiled allocate, which adds to this very
+        # dict: take_blocks() therefore clears it in place, never replaces it.
+        self.blocks: dict[int, None] = {}
         self._slots: list[SlotRange] = []
 
     def add_block(self, block_id: int) -> None:
-        self._blocks[block_id] = None
+        self.blocks[block_id] = None
 
     def add_slots(self, slots: tuple[SlotRange, ...]) -> None:
         self._slots.extend(slots)
 
     def take_blocks(self) -> list[int]:
-        out = list(self._blocks)
-        self._blocks.clear()
+        out = list(self.blocks)
+        self.blocks.clear()
         return out
 
     def take_slots(self) -> list[SlotRange]:
@@ -48,7 +50,7 @@ class ZeroQueue:
         return out
 
     def pending_blocks(self) -> tuple[int, ...]:
-        return tuple(self._blocks)
+        return tuple(self.blocks)
 
     def pending_slots(self) -> tuple[SlotRange, ...]:
         return tuple(self._slots)

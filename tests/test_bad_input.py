@@ -207,7 +207,7 @@ def test_broken_bookkeeping_is_reported_as_corruption() -> None:
 
     pool = make_pool(8, 4)
     prefill(pool, "a", PROMPT)
-    pool._blocks[pool.block_table("a")[0]].ref_cnt = 3  # simulate a kvguard bug
+    pool._kernel.blocks[pool.block_table("a")[0]].ref_cnt = 3  # simulate a kvguard bug
     with pytest.raises(InvariantViolation, match="ref_cnt 3"):
         pool.check_invariants()
 
@@ -366,7 +366,7 @@ def test_every_argument_refuses_wrong_values(
     for arg in entry_points(World())[method]:
         for wrong in WRONG:
             world = World()
-            assert (world.pool._fast is not None) is compiled
+            assert (world.pool._kernel._fast is not None) is compiled
             valid = {a: v for a, (_, v) in entry_points(world)[method].items()}
             kind = entry_points(world)[method][arg][0]
             valid[arg] = wrong

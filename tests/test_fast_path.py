@@ -1,7 +1,7 @@
 """The compiled fast paths (``kvguard._speedups``) against the pure-Python reference.
 
-Every test builds a *pair* of pools: one with the C fast paths (``pool._fast`` set), one
-built with ``KVGUARD_PURE_PYTHON=1`` in the environment (``pool._fast is None``). Each
+Every test builds a *pair* of pools: one with the C fast paths (``pool._kernel._fast`` set), one
+built with ``KVGUARD_PURE_PYTHON=1`` in the environment (``pool._kernel._fast is None``). Each
 operation runs on both, and then:
 
 * both return equal results, or both raise the same error type with the same message;
@@ -108,7 +108,7 @@ def test_speedups_importable_when_required(monkeypatch: pytest.MonkeyPatch) -> N
         pytest.skip(f"set {REQUIRE_SPEEDUPS_ENV}=1 to require the compiled fast paths")
     assert SPEEDUPS_MISSING is None, f"kvguard._speedups does not import: {SPEEDUPS_MISSING}"
     monkeypatch.delenv(PURE_PYTHON_ENV, raising=False)
-    assert BlockPool(4, BLOCK_SIZE)._fast is not None, "a pool built now has no fast paths"
+    assert BlockPool(4, BLOCK_SIZE)._kernel.compiled, "a pool built now has no fast paths"
 
 
 # -- the pair, and what is compared ---------------------------------------------------
@@ -116,21 +116,23 @@ def test_speedups_importable_when_required(monkeypatch: pytest.MonkeyPatch) -> N
 
 def observe(pool: BlockPool) -> dict[str, object]:
     """Everything observable about ``pool``, by name (equal dicts: equal pools)."""
-    free = pool._free
-    first = free._first
+    free = pool._kernel.free
+    first = free.first
     return {
-        "blocks": [tuple(getattr(block, name) for name in BLOCK_FIELDS) for block in pool._blocks],
+        "blocks": [
+            tuple(getattr(block, name) for name in BLOCK_FIELDS) for block in pool._kernel.blocks
+        ],
         "free_queue": free.snapshot(),
         "free_queue.size": free.size,
         "free_queue.num_evictable": free.num_evictable,
-        "free_queue.classes": [(r, list(bucket)) for r, bucket in free._evictable.items()],
+        "free_queue.classes": [(r, list(bucket)) for r, bucket in free.evictable.items()],
         "free_queue.first_class": None if first is None else first[0],
-        "index": list(pool._index.items()),  # insertion order too
+        "index": list(pool._kernel.index.items()),  # insertion order too
         "stats": pool.stats(),
-        "zero_queue": pool._zero.pending_blocks(),
-        "events": list(pool._events),
+        "zero_queue": pool._kernel.zero.pending_blocks(),
+        "events": list(pool._kernel.events),
         "snapshot": pool.snapshot(),
-        "tainted": sorted(pool._tainted),
+        "tainted": sorted(pool._kernel.tainted),
     }
 
 
@@ -227,11 +229,13 @@ class Pair:
     # What the next operation may name, read off the (equal) pools.
 
     def ids_where(self, pred: Callable[[Block], bool]) -> list[int]:
-        return [block.block_id for block in self.pure._blocks if pred(block)]
+        return [block.block_id for block in self.pure._kernel.blocks if pred(block)]
 
     def held(self) -> list[int]:
         """One entry per block-level reference."""
-        return [block.block_id for block in self.pure._blocks for _ in range(block.external_refs)]
+        return [
+            block.block_id for block in self.pure._kernel.blocks for _ in range(block.external_refs)
+        ]
 
 
 def make_pair(
@@ -260,8 +264,8 @@ def make_pair(
     mp.setenv(PURE_PYTHON_ENV, "1")
     pure = build()
     mp.delenv(PURE_PYTHON_ENV)
-    assert fast._fast is not None, "the C pool has no fast paths"
-    assert pure._fast is None, f"{PURE_PYTHON_ENV}=1 did not make a pure-Python pool"
+    assert fast._kernel._fast is not None, "the C pool has no fast paths"
+    assert pure._kernel._fast is None, f"{PURE_PYTHON_ENV}=1 did not make a pure-Python pool"
     return Pair(fast, pure)
 
 
@@ -345,12 +349,14 @@ class FastPathMachine(RuleBasedStateMachine):
     def allocate_blocks(self, n: Any, write: bool) -> None:
         self.pair.call("allocate_blocks", n, write=write)
 
-    @precondition(lambda self: self.pair.pure._free.num_evictable)
+    @precondition(lambda self: self.pair.pure._kernel.free.num_evictable)
     @rule(extra=st.integers(1, 3), write=st.booleans())
     def allocate_past_free(self, extra: int, write: bool) -> None:
         """More blocks than the FREE ones: cached ones are evicted (or, short of them,
         OutOfBlocksError)."""
-        self.pair.call("allocate_blocks", len(self.pair.pure._free._empty) + extra, write=write)
+        self.pair.call(
+            "allocate_blocks", len(self.pair.pure._kernel.free.empty) + extra, write=write
+        )
 
     @rule(
         data=st.data(),
@@ -563,7 +569,7 @@ class FastPathMachine(RuleBasedStateMachine):
     def invalidate(self, hashes: list[BlockHash], descendants: bool) -> None:
         self.pair.call("invalidate", hashes, descendants=descendants)
 
-    @precondition(lambda self: not any(b.ref_cnt for b in self.pair.pure._blocks))
+    @precondition(lambda self: not any(b.ref_cnt for b in self.pair.pure._kernel.blocks))
     @rule()
     def reset_prefix_cache(self) -> None:
         self.pair.call("reset_prefix_cache")
@@ -612,8 +618,8 @@ def test_evictions_across_retention_classes(
     hits = data.draw(st.lists(st.sampled_from(cached), unique=True))
     pair.ok("acquire_blocks", hits)
     pair.ok("release_blocks", data.draw(st.permutations(hits)))
-    while pair.pure._free.size:
-        n = data.draw(st.integers(1, pair.pure._free.size))
+    while pair.pure._kernel.free.size:
+        n = data.draw(st.integers(1, pair.pure._kernel.free.size))
         pair.ok("allocate_blocks", n, write=data.draw(st.booleans()))
 
 
@@ -630,7 +636,7 @@ def _published(pair: Pair, hashes: list[BlockHash]) -> list[int]:
 
 
 def _blocks(pool: BlockPool, *ids: int) -> list[Block]:
-    return [pool._blocks[i] for i in ids]
+    return [pool._kernel.blocks[i] for i in ids]
 
 
 def _both(pair: Pair) -> tuple[BlockPool, BlockPool]:
@@ -660,19 +666,21 @@ def test_eviction_order_across_cached_blocks(
     pair.ok("acquire_blocks", [r])  # a block-level holder takes it (a prefix hit) ...
     pair.ok("release_blocks", [c, r, a])  # ... and releases it between class-0 blocks
     pair.ok("release_blocks", [d, b])
-    quarantined, empty, evictable = pair.pure._free.snapshot()
+    quarantined, empty, evictable = pair.pure._kernel.free.snapshot()
     assert (quarantined, len(empty), evictable) == ((), 3, (c, a, d, b, r))
     pair.ok("take_events")
 
     ids = pair.ok("allocate_blocks", 6)
     assert ids == list(reversed(empty)) + [c, a, d]
     for pool in _both(pair):
-        assert pool._free.snapshot() == ((), (), (b, r))
+        assert pool._kernel.free.snapshot() == ((), (), (b, r))
         assert dict(pool.prefix_index) == {H1: b, H4: r}
         assert pool.stats().counters.blocks_evicted == 3
         assert [block.state for block in _blocks(pool, *ids)] == [S.ALLOCATED] * 6
         assert [block.block_hash for block in _blocks(pool, c, a, d)] == [None] * 3
-        assert pool._events == ([BlockRemoved((H2, H0, H3), (c, a, d))] if record_events else [])
+        assert pool._kernel.events == (
+            [BlockRemoved((H2, H0, H3), (c, a, d))] if record_events else []
+        )
 
     assert pair.ok("allocate_blocks", 2, write=True) == [b, r], "retention 1 goes last"
     result = pair.call("allocate_blocks", 1)
@@ -693,12 +701,12 @@ def test_release_mixing_cached_freed_and_pending_blocks(pair_of: Callable[..., P
     plain, deferred, duplicate = pair.ok("allocate_blocks", 3, write=True)
     assert pair.ok("publish_block", deferred, H1, owner="o") is PublishOutcome.DEFERRED
     assert pair.ok("publish_block", duplicate, H0, owner="o") is PublishOutcome.DEFERRED
-    empty_before = pair.pure._free.snapshot()[1]
+    empty_before = pair.pure._kernel.free.snapshot()[1]
 
     ids = [cached, allocated, plain, deferred, duplicate]
     pair.ok("release_blocks", ids, steps_passed=True)
     for pool in _both(pair):
-        assert pool._free.snapshot() == (
+        assert pool._kernel.free.snapshot() == (
             (),
             empty_before + (allocated, plain, duplicate),
             (cached, deferred),
@@ -783,7 +791,7 @@ def test_release_failing_half_way_changes_nothing(
     result = pair.call("release_blocks", [cached, other, cached], steps_passed=steps_passed)
     assert isinstance(result, Raised) and result.type is ForeignBlockError
     for pool in _both(pair):
-        assert pool._free.snapshot()[2] == ()
+        assert pool._kernel.free.snapshot()[2] == ()
 
 
 @requires_speedups
@@ -803,4 +811,4 @@ def test_quarantined_blocks_are_reused_first(
     assert ids[:3] == [b, a, c], "quarantined ones (last in, first out), then FREE ones"
     zeroed = {ZeroPolicy.SUSPECT: (b, a), ZeroPolicy.ALL: tuple(ids), ZeroPolicy.NONE: ()}
     for pool in _both(pair):
-        assert pool._zero.pending_blocks() == zeroed[zero_policy]
+        assert pool._kernel.zero.pending_blocks() == zeroed[zero_policy]

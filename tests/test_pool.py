@@ -471,12 +471,12 @@ def test_env_variable_turns_invariant_checks_on(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("KVGUARD_CHECK_INVARIANTS", "1")
     pool = BlockPool(4, 4)
     pool.add_request("a", PROMPT)
-    pool._blocks[3].ref_cnt = 7  # a bug inside the pool (block 3 is handed out last)...
+    pool._kernel.blocks[3].ref_cnt = 7  # a bug inside the pool (block 3 is handed out last)...
     with pytest.raises(InvariantViolation):  # ...caught by the next mutating call
         pool.allocate("a", 4)
     monkeypatch.setenv("KVGUARD_CHECK_INVARIANTS", "0")
     quiet = BlockPool(4, 4)
-    quiet._blocks[3].ref_cnt = 7
+    quiet._kernel.blocks[3].ref_cnt = 7
     quiet.add_request("a", PROMPT)
 
 

@@ -30,7 +30,7 @@ def test_block_state_has_exactly_the_designed_members() -> None:
 def test_grid(state: BlockState, event: BlockEvent) -> None:
     """Every (state, event) either follows the table or raises, changing nothing."""
     pool = BlockPool(2, 4)
-    block = pool._blocks[0]
+    block = pool._kernel.blocks[0]
     # Put block 0 into ``state`` behind the pool's back, then drive the pool's single
     # writer of states.
     block.state = state
@@ -38,7 +38,7 @@ def test_grid(state: BlockState, event: BlockEvent) -> None:
     expected = TRANSITIONS[state].get(event)
     if expected is None:
         with pytest.raises(IllegalTransitionError) as info:
-            pool._move(block, event)
+            pool._kernel._move(block, event)
         assert (info.value.block_id, info.value.state, info.value.event) == (0, state, event)
         assert state.name in str(info.value) and event.name in str(info.value)
         assert block.state is state
@@ -46,7 +46,7 @@ def test_grid(state: BlockState, event: BlockEvent) -> None:
         with pytest.raises(IllegalTransitionError):
             next_state(0, state, event)
     else:
-        pool._move(block, event)
+        pool._kernel._move(block, event)
         assert block.state is expected is next_state(0, state, event)
         assert pool.stats().blocks_by_state[expected] == 1 + (expected is BlockState.FREE)
 

@@ -23,6 +23,7 @@ from kvguard import (
     StepOutcome,
 )
 from kvguard.fast_path import PURE_PYTHON_ENV, available
+from kvguard.transition_kernel import TransitionKernel
 
 from .conftest import make_pool
 
@@ -301,13 +302,13 @@ def test_the_compiled_validation_still_serves_sound_publications_after_a_taint(
         pytest.skip("about the compiled path")
     p = block_pool()
     python_paths: list[list[int]] = []
-    slow = BlockPool._validate_and_publish
+    slow = TransitionKernel._validate_and_publish
 
-    def counted(self: BlockPool, ids: list[int], publish: Any) -> Any:
+    def counted(self: TransitionKernel, ids: list[int], publish: Any) -> Any:
         python_paths.append(list(ids))
         return slow(self, ids, publish)
 
-    monkeypatch.setattr(BlockPool, "_validate_and_publish", counted)
+    monkeypatch.setattr(TransitionKernel, "_validate_and_publish", counted)
     b0, b1, b2, b3 = p.allocate_blocks(4, write=True)
     p.validate_blocks([b0], {b0: (H[0], None, "r")})
     assert python_paths == []  # C
