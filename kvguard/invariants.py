@@ -1,4 +1,4 @@
-"""The pool's invariants, checked by walking everything (DESIGN.md rules 1-5).
+"""The pool's invariants, checked by walking everything (docs/design.md rules 1-5).
 
 Kept apart from the pool so the pool reads as the operations and this file as the
 contract. It reads the pool's private fields on purpose: it is the pool's own auditor.

@@ -69,9 +69,8 @@ class Recovery(PoolCore):
             block = blocks[table[i]]
             lo = max(boundary, i * size) - i * size
             hi = min(old, (i + 1) * size) - i * size
-            slots.append(SlotRange(block.block_id, lo, hi))
             # The ledger is replayed for the tokens this block keeps (its first lo).
-            kernel.rollback(block.block_id, lo, i * size + lo <= new_validated)
+            slots.append(kernel.rollback(block.block_id, lo, hi, i * size + lo <= new_validated))
         kept = deque(end for end in rec.pending if end < boundary)
         if boundary > (kept[-1] if kept else new_validated):
             kept.append(boundary)  # the step that straddled the boundary, truncated
@@ -88,7 +87,5 @@ class Recovery(PoolCore):
             del rec.token_ids[max(boundary + 1, rec.num_prompt_tokens) :]
             if not rec.explicit_hashes:
                 del rec.block_hashes[len(rec.token_ids) // size :]
-        result = TailRollback(request_id, boundary, old - boundary, tuple(slots))
-        kernel.zero.add_slots(result.slots)
         kernel.counters.slots_zeroed += old - boundary
-        return result
+        return TailRollback(request_id, boundary, old - boundary, tuple(slots))

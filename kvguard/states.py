@@ -1,6 +1,6 @@
 """Block states, block events and the one transition table.
 
-Rules (DESIGN.md, "Block states"):
+Rules (docs/design.md, "Block states"):
 
 * every block is in exactly one :class:`BlockState`;
 * every change of state is ``TRANSITIONS[state][event]``; a missing key *is* the illegal

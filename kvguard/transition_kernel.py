@@ -58,7 +58,7 @@ from kvguard.events import BlockRemoved, BlockStored, PoolEvent
 from kvguard.fast_path import fast_path
 from kvguard.free_queue import FreeQueue
 from kvguard.hashing import BlockHash
-from kvguard.results import PublishOutcome
+from kvguard.results import PublishOutcome, SlotRange
 from kvguard.states import MATCHABLE_STATES, STORABLE_STATES, TRANSITIONS, BlockEvent, BlockState
 from kvguard.stats import Counters
 from kvguard.zeroing import ZeroPolicy, ZeroQueue
@@ -821,20 +821,23 @@ class TransitionKernel:
 
     # ------------------------------------------------------------ recovery
 
-    def rollback(self, block_id: int, kept_tokens: int, kept_validated: bool) -> None:
-        """``zero_request_tail`` wiped this block (the caller checked that its owner
-        alone sees it): ROLLBACK to ALLOCATED, then the ledger replayed for the head
-        it keeps -- WRITE if it keeps ``kept_tokens`` > 0, and VALIDATE if that head
-        was validated."""
+    def rollback(self, block_id: int, lo: int, hi: int, kept_validated: bool) -> SlotRange:
+        """``zero_request_tail`` drops the block's token slots ``lo:hi`` (the caller
+        checked that its owner alone sees it): they are queued for wiping, the block
+        goes ROLLBACK to ALLOCATED, then the ledger is replayed for the head it keeps
+        -- WRITE if ``lo`` > 0, and VALIDATE if that head was validated."""
         block = self.blocks[block_id]
         self._move(block, _ROLLBACK)
         block.block_hash = None
         block.parent_hash = None
         block.generation += 1
-        if kept_tokens:
+        if lo:
             self._move(block, _WRITE)
             if kept_validated:
                 self._move(block, _VALIDATE)
+        slots = SlotRange(block_id, lo, hi)
+        self.zero.add_slots((slots,))
+        return slots
 
 
 def _count(block_ids: list[int]) -> dict[int, int]:

@@ -2,7 +2,7 @@
 
 After each step the pool's own ``check_invariants()`` runs (the pool is built with
 ``check_invariants=True``), and an independent shadow model of the *bytes* checks the
-safety properties DESIGN.md promises:
+safety properties docs/design.md promises:
 
 * a prefix lookup only returns blocks none of whose writes is unvalidated or failed;
 * a block whose bytes are suspect is queued for zeroing before its next owner gets it;

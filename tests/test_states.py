@@ -52,7 +52,7 @@ def test_grid(state: BlockState, event: BlockEvent) -> None:
 
 
 def test_safety_rows_of_the_table() -> None:
-    """The rows that carry DESIGN.md's promises, spelled out."""
+    """The rows that carry the promises of docs/design.md, spelled out."""
     S, E = BlockState, BlockEvent
     # Nothing unvalidated becomes matchable: PUBLISH only from VALIDATED.
     assert {s for s in S if E.PUBLISH in TRANSITIONS[s]} == {S.VALIDATED}
