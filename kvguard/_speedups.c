@@ -43,6 +43,10 @@ typedef struct {
     PyObject *zero_blocks;             /* the zero queue's dict of block ids */
     PyObject *tainted;                 /* the pool's set of tainted hashes */
     PyObject *events;                  /* the event log (a list), or None: not recorded */
+    /* The Python primitives these twins stand for: each twin calls its own when it
+     * declines (having changed nothing), and release_held hands the blocks it does not
+     * settle itself to settle_released. Set by fallbacks(). */
+    PyObject *py_allocate, *py_acquire, *py_release_held, *py_validate_held, *settle_released;
     int zero_all;                      /* zero_policy ALL: every allocation queues zeroing */
     int zero_suspect;                  /* zero_policy SUSPECT: reused quarantined blocks do */
     Py_ssize_t off_block_id, off_state, off_ref_cnt, off_block_hash, off_parent_hash,
@@ -52,6 +56,20 @@ typedef struct {
 } FastPath;
 
 #define FIELD(obj, off) (*(PyObject **)((char *)(obj) + (off)))
+
+/* The twin declines: the Python primitive of the same name runs, with the same
+ * arguments, and its result (or error) is the call's. */
+#define DECLINE(primitive) return decline(self->primitive, args, nargs)
+
+static PyObject *
+decline(PyObject *primitive, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (primitive == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "kvguard: FastPath.fallbacks() was not called");
+        return NULL;
+    }
+    return PyObject_Vectorcall(primitive, args, nargs, NULL);
+}
 
 /* Replace a slot's value (a new reference is taken on v). */
 static inline void
@@ -189,6 +207,11 @@ FastPath_dealloc(FastPath *self)
     Py_CLEAR(self->zero_blocks);
     Py_CLEAR(self->tainted);
     Py_CLEAR(self->events);
+    Py_CLEAR(self->py_allocate);
+    Py_CLEAR(self->py_acquire);
+    Py_CLEAR(self->py_release_held);
+    Py_CLEAR(self->py_validate_held);
+    Py_CLEAR(self->settle_released);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -209,6 +232,11 @@ FastPath_traverse(FastPath *self, visitproc visit, void *arg)
     Py_VISIT(self->zero_blocks);
     Py_VISIT(self->tainted);
     Py_VISIT(self->events);
+    Py_VISIT(self->py_allocate);
+    Py_VISIT(self->py_acquire);
+    Py_VISIT(self->py_release_held);
+    Py_VISIT(self->py_validate_held);
+    Py_VISIT(self->settle_released);
     return 0;
 }
 
@@ -224,6 +252,11 @@ FastPath_clear(FastPath *self)
     Py_CLEAR(self->zero_blocks);
     Py_CLEAR(self->tainted);
     Py_CLEAR(self->events);
+    Py_CLEAR(self->py_allocate);
+    Py_CLEAR(self->py_acquire);
+    Py_CLEAR(self->py_release_held);
+    Py_CLEAR(self->py_validate_held);
+    Py_CLEAR(self->settle_released);
     return 0;
 }
 
@@ -451,15 +484,15 @@ tail_is_sound(FastPath *self, PyObject *from, Py_ssize_t count)
     return 1;
 }
 
-/* allocate(n, held, write) -> list[int] | None
+/* allocate(n, held, write) -> list[int]
  *
  * TransitionKernel.allocate(n, held, write) unless the zeroing policy is "all": the ids
  * FreeQueue.take(n) hands out -- quarantined blocks first (queued for zeroing under
  * the "suspect" policy), then FREE ones, then cached ones in eviction order, which are
  * EVICTed (their hashes leave the index; one BlockRemoved event in the event log unless
  * events are not recorded) -- each block then ALLOCATED (or WRITTEN by one step),
- * ref_cnt 1 (a block-level reference if held), its generation bumped. None: nothing
- * taken (the Python primitive decides, or raises OutOfBlocksError).
+ * ref_cnt 1 (a block-level reference if held), its generation bumped. Otherwise
+ * nothing is taken here and the Python primitive decides (or raises OutOfBlocksError).
  */
 static PyObject *
 FastPath_allocate(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
@@ -470,11 +503,11 @@ FastPath_allocate(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *events = self->events;
     if (self->blocks == NULL || self->zero_all || !PyLong_CheckExact(args[0]))
-        Py_RETURN_NONE;
+        DECLINE(py_allocate);
     Py_ssize_t n = PyLong_AsSsize_t(args[0]);
     if (n == -1 && PyErr_Occurred()) {
         PyErr_Clear();
-        Py_RETURN_NONE;
+        DECLINE(py_allocate);
     }
     int held = PyObject_IsTrue(args[1]);
     if (held < 0)
@@ -484,7 +517,7 @@ FastPath_allocate(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     long size, generation = 0, blocks_zeroed = 0;
     if (n <= 0 || !get_long(self->free_queue, self->off_size, &size) || size < n)
-        Py_RETURN_NONE;
+        DECLINE(py_allocate);
     Py_ssize_t num_quarantined = PyList_GET_SIZE(self->quarantined);
     if (num_quarantined > n)
         num_quarantined = n;
@@ -495,7 +528,7 @@ FastPath_allocate(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
         !tail_is_sound(self, self->empty, num_empty) ||
         (num_quarantined && self->zero_suspect &&
          !get_long(self->counters, self->off_blocks_zeroed, &blocks_zeroed)))
-        Py_RETURN_NONE;
+        DECLINE(py_allocate);
     PyObject *ids = PyList_New(n);
     if (ids == NULL)
         return NULL;
@@ -582,18 +615,17 @@ error:
     return -1;
 }
 
-/* release_held(ids: list[int], steps_passed) -> list[Block] | None
+/* release_held(ids: list[int], steps_passed) -> None
  *
- * TransitionKernel.release_held's reference-dropping pass: one block-level reference of each id in
- * turn; a block whose last reference goes is *cached* (a state a release leaves
+ * TransitionKernel.release_held: one block-level reference of each id in turn; a block whose last reference goes is *cached* (a state a release leaves
  * cached), *freed* (ALLOCATED, or WRITTEN with steps_passed and no publication
  * waiting: it becomes FREE and joins the free queue's FREE blocks here),
  * *quarantined* (WRITTEN without steps_passed, or QUARANTINED already: it joins the
  * quarantined blocks here), or *released* (anything else). Cached blocks join their eviction queue here too
- * (FreeQueue.push_evictable). Returns the released blocks, in release order, for the
- * Python path to settle. None: some id cannot be released
- * (not an id of the pool, or no block-level reference left); every reference dropped
- * before it is restored, nothing changed, and the caller names the error.
+ * (FreeQueue.push_evictable). The released blocks, in release order, are settled by
+ * the kernel's settle_released. If some id cannot be released (not an id of the pool,
+ * or no block-level reference left), every reference dropped before it is restored,
+ * nothing changed, and the Python primitive runs (and names the error).
  */
 static PyObject *
 FastPath_release(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
@@ -604,7 +636,7 @@ FastPath_release(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *ids = args[0];
     if (self->blocks == NULL || !PyList_CheckExact(ids))
-        Py_RETURN_NONE;
+        DECLINE(py_release_held);
     int steps_passed = PyObject_IsTrue(args[1]);
     if (steps_passed < 0)
         return NULL;
@@ -617,7 +649,7 @@ FastPath_release(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
         PyObject *block = block_of(self, PyList_GET_ITEM(ids, k));
         if (block == NULL || !get_long(block, self->off_external_refs, &refs) || refs <= 0 ||
             !get_long(block, self->off_ref_cnt, &ref_cnt) || ref_cnt < refs)
-            Py_RETURN_NONE;
+            DECLINE(py_release_held);
     }
     PyObject *cached = PyList_New(0), *released = PyList_New(0), *freed = PyList_New(0),
              *quarantined = PyList_New(0);
@@ -664,7 +696,7 @@ FastPath_release(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
         Py_DECREF(released);
         Py_DECREF(freed);
         Py_DECREF(quarantined);
-        Py_RETURN_NONE;
+        DECLINE(py_release_held);
     }
     /* ALLOCATED --RELEASE--> FREE, and WRITTEN --VALIDATE--> VALIDATED --RELEASE-->
      * FREE (the Python side checks at import that the table agrees). */
@@ -724,7 +756,14 @@ FastPath_release(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
     if (enqueue_evictable(self, cached) < 0)
         goto error;
     Py_DECREF(cached);
-    return released;
+    if (PyList_GET_SIZE(released) == 0) {
+        Py_DECREF(released);
+        Py_RETURN_NONE;
+    }
+    /* Blocks neither cached nor plainly freed: the Python side settles them. */
+    PyObject *settled = PyObject_CallFunctionObjArgs(self->settle_released, released, args[1], NULL);
+    Py_DECREF(released);
+    return settled;
 error:
     Py_XDECREF(cached);
     Py_XDECREF(released);
@@ -734,12 +773,12 @@ error:
 }
 
 /* validate_held(ids: list[int], publish: dict | None)
- *     -> (validated, published, duplicates) | None
+ *     -> (validated, published, duplicates)
  *
- * TransitionKernel.validate_held's usual case, while events are not recorded (None
- * otherwise, and the Python primitive runs): ids distinct, each
- * block WRITTEN by exactly one step in flight (checked here: None, nothing changed,
- * otherwise). Each becomes VALIDATED; its publication -- publish[id] if there is
+ * TransitionKernel.validate_held's usual case, while events are not recorded (the
+ * Python primitive runs otherwise): ids distinct, each block WRITTEN by exactly one
+ * step in flight (checked here: otherwise nothing changed and the Python primitive
+ * runs). Each becomes VALIDATED; its publication -- publish[id] if there is
  * one (counted in held), else the one it carries -- happens now: the hash and parent
  * set, and PUBLISHED in the index unless the index holds that hash already (then a
  * duplicate, VALIDATED with its hash). Publications and held ones are counted.
@@ -754,7 +793,7 @@ FastPath_validate(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *ids = args[0], *publish = args[1];
     if (self->blocks == NULL || self->events != Py_None || !PyList_CheckExact(ids) ||
         (publish != Py_None && !PyDict_CheckExact(publish)))
-        Py_RETURN_NONE;
+        DECLINE(py_validate_held);
     Py_ssize_t n = PyList_GET_SIZE(ids);
     PyObject *zero = PyLong_FromLong(0), *one = PyLong_FromLong(1);
     /* Checking pass: a block counted here has its writers set to 0, so that an id
@@ -802,7 +841,7 @@ FastPath_validate(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
             set_field(block_of(self, PyList_GET_ITEM(ids, k)), self->off_writers, one);
         Py_DECREF(zero);
         Py_DECREF(one);
-        Py_RETURN_NONE;
+        DECLINE(py_validate_held);
     }
     Py_DECREF(zero);
     Py_DECREF(one);
@@ -899,10 +938,11 @@ take_out_of_eviction(FastPath *self, PyObject *block)
     return 0;
 }
 
-/* acquire(ids: list[int], held) -> bool
+/* acquire(ids: list[int], held) -> None
  *
  * TransitionKernel.acquire(ids, held): every id names a block in a state ACQUIRE
- * leaves as it is (PUBLISHED/OFFLOADED), else False and nothing changed. Each takes a
+ * leaves as it is (PUBLISHED/OFFLOADED), else nothing changed and the Python
+ * primitive runs (and names the error). Each takes a
  * reference (a block-level one if held); a block taken from zero references leaves
  * the eviction queue.
  */
@@ -918,7 +958,7 @@ FastPath_acquire(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
     if (held < 0)
         return NULL;
     if (self->blocks == NULL || !PyList_CheckExact(ids))
-        Py_RETURN_FALSE;
+        DECLINE(py_acquire);
     Py_ssize_t n = PyList_GET_SIZE(ids);
     long refs = 0, ref_cnt = 0;
     for (Py_ssize_t k = 0; k < n; k++) {
@@ -926,7 +966,7 @@ FastPath_acquire(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
         if (block == NULL || !in_tuple(self->acquirable, FIELD(block, self->off_state)) ||
             !get_long(block, self->off_external_refs, &refs) ||
             !get_long(block, self->off_ref_cnt, &ref_cnt))
-            Py_RETURN_FALSE;
+            DECLINE(py_acquire);
     }
     for (Py_ssize_t k = 0; k < n; k++) {
         PyObject *block = block_of(self, PyList_GET_ITEM(ids, k));
@@ -940,18 +980,50 @@ FastPath_acquire(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
             (held && add_to_field(block, self->off_external_refs, refs, 1) < 0))
             return NULL;
     }
-    Py_RETURN_TRUE;
+    Py_RETURN_NONE;
+}
+
+/* fallbacks(allocate, acquire, release_held, validate_held, settle_released)
+ *
+ * The Python primitives the twins stand for, and the end of release_held in Python. */
+static PyObject *
+FastPath_fallbacks(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError,
+                        "fallbacks(allocate, acquire, release_held, validate_held, settle)");
+        return NULL;
+    }
+    for (Py_ssize_t k = 0; k < 5; k++) {
+        if (!PyCallable_Check(args[k])) {
+            PyErr_SetString(PyExc_TypeError, "FastPath.fallbacks() takes callables");
+            return NULL;
+        }
+    }
+    Py_INCREF(args[0]);
+    Py_XSETREF(self->py_allocate, args[0]);
+    Py_INCREF(args[1]);
+    Py_XSETREF(self->py_acquire, args[1]);
+    Py_INCREF(args[2]);
+    Py_XSETREF(self->py_release_held, args[2]);
+    Py_INCREF(args[3]);
+    Py_XSETREF(self->py_validate_held, args[3]);
+    Py_INCREF(args[4]);
+    Py_XSETREF(self->settle_released, args[4]);
+    Py_RETURN_NONE;
 }
 
 static PyMethodDef FastPath_methods[] = {
     {"allocate", (PyCFunction)(void (*)(void))FastPath_allocate, METH_FASTCALL,
-     "allocate(n, held, write) -> list[int] | None"},
+     "allocate(n, held, write) -> list[int]"},
     {"release_held", (PyCFunction)(void (*)(void))FastPath_release, METH_FASTCALL,
-     "release_held(ids, steps_passed) -> list[Block] | None"},
+     "release_held(ids, steps_passed) -> None"},
     {"validate_held", (PyCFunction)(void (*)(void))FastPath_validate, METH_FASTCALL,
-     "validate_held(ids, publish) -> (validated, published, duplicates) | None"},
+     "validate_held(ids, publish) -> (validated, published, duplicates)"},
     {"acquire", (PyCFunction)(void (*)(void))FastPath_acquire, METH_FASTCALL,
-     "acquire(ids, held) -> bool"},
+     "acquire(ids, held) -> None"},
+    {"fallbacks", (PyCFunction)(void (*)(void))FastPath_fallbacks, METH_FASTCALL,
+     "fallbacks(allocate, acquire, release_held, validate_held, settle_released)"},
     {NULL, NULL, 0, NULL},
 };
 

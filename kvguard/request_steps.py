@@ -224,11 +224,11 @@ class RequestSteps(PoolCore):
             raise OutOfBlocksError(need, need - short)
         kernel = self._kernel
         if hit is not None and hit.block_ids:
-            kernel.acquire(list(hit.block_ids))
+            kernel.acquire(list(hit.block_ids), False)
             rec.blocks.extend(hit.block_ids)
             rec.num_written = rec.num_validated = hit.num_tokens
             rec.publish_cursor = len(hit.block_ids)
-        new = kernel.allocate(_cdiv(num_tokens, self.block_size) - len(rec.blocks))
+        new = kernel.allocate(_cdiv(num_tokens, self.block_size) - len(rec.blocks), False, False)
         rec.blocks.extend(new)
         return tuple(new)
 

@@ -35,9 +35,10 @@ Every place that changes a block's state, by primitive:
 
 Four primitives have a compiled twin (:mod:`kvguard.fast_path`, the C extension
 ``kvguard._speedups``): ``allocate``, ``acquire``, ``release_held`` and
-``validate_held``. Each twin takes the same arguments, does the common case with
-exactly the same effects, or declines (returns None/False, changing nothing) and the
-Python primitive here -- the reference, which names every error -- runs.
+``validate_held``. When the extension is built, each twin *is* the kernel's method of
+that name: same arguments, same result, the common case done in C with exactly the
+effects of the Python primitive; anything else it declines, changing nothing, by
+calling the Python primitive here -- the reference, which names every error.
 """
 
 from __future__ import annotations
@@ -186,6 +187,22 @@ class TransitionKernel:
             zero_all=self._zero_all,
             zero_suspect=self._zero_suspect,
         )
+        fast = self._fast
+        if fast is not None:
+            # The twins stand in for the Python primitives on this kernel (a twin that
+            # declines calls the primitive it shadows): one call, not a Python method
+            # calling a C one, on the engine's per-step paths.
+            fast.fallbacks(
+                self.allocate,
+                self.acquire,
+                self.release_held,
+                self.validate_held,
+                self._settle_released,
+            )
+            self.allocate = fast.allocate  # type: ignore[method-assign]
+            self.acquire = fast.acquire  # type: ignore[method-assign]
+            self.release_held = fast.release_held  # type: ignore[method-assign]
+            self.validate_held = fast.validate_held  # type: ignore[method-assign]
 
     @property
     def compiled(self) -> bool:
@@ -238,7 +255,7 @@ class TransitionKernel:
 
     # ------------------------------------------------------------ allocation
 
-    def allocate(self, n: int, held: bool = False, write: bool = False) -> list[int]:
+    def allocate(self, n: int, held: bool, write: bool) -> list[int]:
         """Hand out ``n`` blocks with one reference each, or raise
         :class:`OutOfBlocksError` having taken none. ``held``: the reference is a
         block-level one; ``write``: they come out WRITTEN by one block-level step.
@@ -247,11 +264,6 @@ class TransitionKernel:
         then empty ones, then cached ones in eviction order (EVICTed: their hashes
         leave the index; one ``BlockRemoved`` event for the batch).
         """
-        fast = self._fast
-        if fast is not None:
-            ids = fast.allocate(n, held, write)
-            if ids is not None:
-                return ids
         if n <= 0:
             return []
         free = self.free
@@ -318,12 +330,9 @@ class TransitionKernel:
             self.free.push(block)
         self.index.clear()
 
-    def acquire(self, block_ids: list[int], held: bool = False) -> None:
+    def acquire(self, block_ids: list[int], held: bool) -> None:
         """Take a reference on cached blocks; raises :class:`UnknownBlockError` or
         :class:`IllegalTransitionError` having changed nothing if one is not cached."""
-        fast = self._fast
-        if fast is not None and fast.acquire(block_ids, held):
-            return
         self.check_ids(block_ids)
         blocks = self.blocks
         for block_id in block_ids:
@@ -364,7 +373,7 @@ class TransitionKernel:
         if released:
             self._drop_last_refs(released, retention)
 
-    def release_held(self, block_ids: list[int], steps_passed: bool = False) -> None:
+    def release_held(self, block_ids: list[int], steps_passed: bool) -> None:
         """Drop one block-level reference per id.
 
         Blocks whose last reference goes are enqueued in the given order (the first is
@@ -375,13 +384,6 @@ class TransitionKernel:
         changed nothing when an id holds fewer block-level references than it is named
         (and :class:`UnknownBlockError` for an id outside the pool).
         """
-        fast = self._fast
-        if fast is not None:
-            left = fast.release_held(block_ids, steps_passed)
-            if left is not None:  # (freed and cached blocks are enqueued already)
-                if left:
-                    self._settle_released(left, steps_passed)
-                return
         self.check_ids(block_ids)
         blocks = self.blocks
         # One pass drops the references, stopping at the first one that cannot be
@@ -616,11 +618,6 @@ class TransitionKernel:
         Raises having changed nothing if an id is outside the pool or a block has no
         step left to validate.
         """
-        fast = self._fast
-        if fast is not None:
-            applied = fast.validate_held(block_ids, publish if publish else None)  # type: ignore[arg-type]
-            if applied is not None:
-                return applied
         self.check_ids(block_ids)
         blocks = self.blocks
         # The usual case -- distinct blocks, each written by this step alone: one
