@@ -50,8 +50,14 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 CHECK_INVARIANTS_ENV = "KVGUARD_CHECK_INVARIANTS"
 
 # Public methods that change the pool; wrapped with an invariant check when asked for.
+# Every public method is in exactly one of _MUTATORS and _READERS, and a reader leaves
+# snapshot() as it was (tests/test_public_api.py checks both).
 _MUTATORS = (
     "add_request",
+    "lookup",
+    "take_blocks_to_zero",
+    "take_slots_to_zero",
+    "take_events",
     "append_tokens",
     "append_block_hashes",
     "allocate",
@@ -73,6 +79,22 @@ _MUTATORS = (
     "forget_tier_copy",
     "invalidate",
     "reset_prefix_cache",
+)
+_READERS = (
+    "block_hash",
+    "block_info",
+    "block_state",
+    "block_table",
+    "cached_block_id",
+    "can_allocate",
+    "check_invariants",
+    "counters",
+    "get_num_free_blocks",
+    "progress",
+    "snapshot",
+    "stats",
+    "storable_blocks",
+    "tier_copies",
 )
 
 

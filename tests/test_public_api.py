@@ -42,3 +42,48 @@ def test_docs_example_runs() -> None:
     example = re.search(r"```python\n(.*?)```", doc, re.S)
     assert example is not None
     exec(compile(example.group(1), "docs/api.md", "exec"), {})
+
+
+def test_every_public_pool_method_is_a_mutator_or_a_reader() -> None:
+    """``KVGUARD_CHECK_INVARIANTS`` wraps the mutators: a new public method must be
+    classified, or it would escape the check."""
+    import inspect
+
+    from kvguard.pool import _MUTATORS, _READERS
+
+    public = {
+        name
+        for name, value in inspect.getmembers(kvguard.BlockPool)
+        if not name.startswith("_") and callable(value)
+    }
+    assert not set(_MUTATORS) & set(_READERS)
+    assert public == set(_MUTATORS) | set(_READERS)
+
+
+def test_readers_change_nothing() -> None:
+    """Each reader, called on a pool in use, leaves its snapshot as it was."""
+    from kvguard.pool import _READERS
+
+    pool = kvguard.BlockPool(16, 4)
+    pool.add_request("r", list(range(10)))
+    pool.allocate("r", 10, hit=pool.lookup("r"))
+    pool.write("r", 10)
+    pool.validate_step("r")
+    (held,) = pool.allocate_blocks(1, write=True)
+    block_hash = pool.block_hash(pool.block_table("r")[0])
+    assert block_hash is not None
+    arguments = {
+        "block_hash": (held,),
+        "block_info": (held,),
+        "block_state": (held,),
+        "block_table": ("r",),
+        "cached_block_id": (block_hash,),
+        "can_allocate": ("r", 12),
+        "progress": ("r",),
+        "storable_blocks": ("r",),
+        "tier_copies": (block_hash,),
+    }
+    for name in _READERS:
+        before = pool.snapshot()
+        getattr(pool, name)(*arguments.get(name, ()))
+        assert pool.snapshot() == before, name
