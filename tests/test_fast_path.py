@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import operator
 import os
 import types
@@ -812,3 +813,84 @@ def test_quarantined_blocks_are_reused_first(
     zeroed = {ZeroPolicy.SUSPECT: (b, a), ZeroPolicy.ALL: tuple(ids), ZeroPolicy.NONE: ()}
     for pool in _both(pair):
         assert pool._kernel.zero.pending_blocks() == zeroed[zero_policy]
+
+
+# -- the primitives themselves --------------------------------------------------------
+
+ACCELERATED = ("allocate", "acquire", "release_held", "validate_held")
+"""The transition kernel's primitives that have compiled twins."""
+
+
+@requires_speedups
+def test_the_twins_are_exactly_the_accelerated_primitives(pair_of: Callable[..., Pair]) -> None:
+    """A compiled kernel's accelerated primitives are the C methods themselves; the C
+    type has no other primitive; a pure-Python kernel keeps its own methods."""
+    from kvguard._speedups import FastPath
+    from kvguard.transition_kernel import TransitionKernel
+
+    pair = pair_of()
+    public = {name for name in dir(FastPath) if not name.startswith("_")}
+    assert public == {*ACCELERATED, "fallbacks"}
+    for name in ACCELERATED:
+        twin = getattr(pair.fast._kernel, name)
+        assert isinstance(twin, types.BuiltinMethodType), name
+        assert twin.__self__ is pair.fast._kernel._fast
+        assert getattr(pair.pure._kernel, name).__func__ is getattr(TransitionKernel, name)
+        # Same parameters, in the same order (the C one's from its docstring).
+        python = list(inspect.signature(getattr(TransitionKernel, name)).parameters)[1:]
+        assert twin.__doc__ is not None
+        c_params = twin.__doc__.split("(", 1)[1].split(")", 1)[0].replace(" ", "").split(",")
+        assert [p.replace("block_ids", "ids") for p in python] == c_params, name
+
+
+def _primitive_cases(pair: Pair) -> list[tuple[str, tuple[Any, ...]]]:
+    """Each accelerated primitive on ordinary input, on every kind of block it may be
+    handed, and on malformed input (the drift case among them): the twins must agree.
+    (Block-level references only: a request's come with its block table, which these
+    direct calls do not keep; the request-level calls cover them.)"""
+    w0, w1 = pair.ok("allocate_blocks", 2, write=True)
+    (a,) = pair.ok("allocate_blocks", 1)
+    pair.ok("add_request", "r", list(range(2 * BLOCK_SIZE)))
+    pair.ok("allocate", "r", 2 * BLOCK_SIZE)
+    pair.ok("write", "r", 2 * BLOCK_SIZE)
+    pair.ok("validate_step", "r")
+    r0, r1 = pair.fast.block_table("r")
+    junk: list[Any] = [-1, 99, "1", True, 1.0]
+    return [
+        ("allocate", (0, True, False)),
+        ("allocate", (-1, True, False)),
+        ("allocate", (1, True, True)),
+        ("allocate", (99, True, False)),
+        ("acquire", ([r0], True)),
+        ("acquire", ([r0, r1, r0], True)),
+        ("acquire", ([a], True)),
+        ("acquire", ([], True)),
+        *[("acquire", ([r0, j], True)) for j in junk],
+        ("release_held", ([r0, r0], False)),
+        ("release_held", ([r1], False)),
+        ("release_held", ([a, a], False)),
+        *[("release_held", ([a, j], False)) for j in junk],
+        ("validate_held", ([w0, w0], None)),
+        ("validate_held", ([a], None)),
+        ("validate_held", ([r1], None)),
+        *[("validate_held", ([w0, j], None)) for j in junk],
+        ("validate_held", ([w0], {w0: (b"h" * 8, 123, 456)})),  # the drift case
+        ("validate_held", ([w1], {w1: (H0, None, "o")})),
+        ("release_held", ([w0, w1, a], True)),
+        ("release_held", ([r0], False)),
+    ]
+
+
+@requires_speedups
+@pytest.mark.parametrize("record_events", [False, True])
+def test_each_twin_agrees_with_its_primitive(
+    pair_of: Callable[..., Pair], record_events: bool
+) -> None:
+    """Called directly, in one sequence, each twin and its Python primitive return the
+    same or raise the same, and leave the kernels equal (``Pair.run`` compares)."""
+    pair = pair_of(8, record_events=record_events)
+    for name, args in _primitive_cases(pair):
+        pair.run(
+            f"kernel.{name}{args!r}",
+            lambda pool, name=name, args=args: getattr(pool._kernel, name)(*args),
+        )
