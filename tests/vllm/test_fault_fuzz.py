@@ -267,11 +267,9 @@ class FaultTrace:
         left, and its record of tier copies names only chunks the CPU tier holds: no
         record grows with the requests a server has seen."""
         s = self.s
-        assert len(s._kvguard_ledger) == 0
-        assert not s._kvguard_carry and not s._kvguard_carry_publications
-        assert not s._kvguard_clean and not s._kvguard_unchecked
         pool = s.kvguard_pool
-        assert not pool._deferred and not pool.has_step_fills()
+        assert pool.ledger is s._kvguard_ledger and pool.ledger.is_empty()
+        assert not s._kvguard_clean and not s._kvguard_unchecked
         recorded = 0
         for connector in s._kvguard_connectors():
             cs: Any = getattr(connector, "connector_scheduler", None)

@@ -63,9 +63,9 @@ def test_free_of_only_another_pools_blocks_leaves_this_pool_alone() -> None:
     pool = _pool()
     other = BlockPool(8, True, 4)
     theirs = other.get_new_blocks(2)
-    before = pool.core.snapshot()  # type: ignore[union-attr]
+    before = pool.core.snapshot()
     pool.free_blocks(reversed(theirs))
-    assert pool.core.snapshot() == before  # type: ignore[union-attr]
+    assert pool.core.snapshot() == before
     assert [b.ref_cnt for b in theirs] == [0, 0]
 
 
@@ -73,20 +73,19 @@ def test_a_double_free_raises_and_releases_nothing() -> None:
     pool = _pool()
     a, b = pool.get_new_blocks(2)
     pool.free_blocks([b])
-    before = pool.core.snapshot()  # type: ignore[union-attr]
+    before = pool.core.snapshot()
     with pytest.raises(DoubleFreeError):
         pool.free_blocks([a, b])
-    assert pool.core.snapshot() == before  # type: ignore[union-attr]
+    assert pool.core.snapshot() == before
     assert a.ref_cnt == 1
 
 
 def test_touch_takes_references_on_hits_but_not_on_the_null_block() -> None:
     pool = _pool()
     core = pool.core
-    assert core is not None
     (block,) = pool.get_new_blocks(1)
     core.publish_block(block.block_id, BlockHash(b"h" * 16 + bytes(4)), owner="r")
-    pool.validate_step([block.block_id])
+    pool.validate_fills([block.block_id])
     pool.free_blocks([block])
     assert block.ref_cnt == 0 and block.state is BlockState.PUBLISHED
     null_refs = pool.null_block.ref_cnt
@@ -94,6 +93,12 @@ def test_touch_takes_references_on_hits_but_not_on_the_null_block() -> None:
     assert block.ref_cnt == 1
     assert pool.null_block.ref_cnt == null_refs
     pool.check_consistency()
+
+
+def _taken(pool: GuardedBlockPool) -> tuple[dict[str, list[int]], dict[int, PendingPublication]]:
+    """What the pool's ledger noted (no scheduler drives it), taken."""
+    noted = pool.ledger.take_noted()
+    return noted.fills, noted.publications
 
 
 def _noted(
@@ -107,14 +112,13 @@ def _noted(
     request = make_request("r", list(range(5 * BLOCK)))
     blocks = pool.get_new_blocks(5)
     core = pool.core
-    assert core is not None
     if publish_first:
         # A block no step in flight writes (e.g. loaded by a connector and vouched
         # for): published at once, which the compiled loop leaves to the Python one.
         core.validate_blocks([blocks[3].block_id])
     pool.cache_full_blocks(request, blocks, num_cached, 5, BLOCK, 1)
-    fills, publications = pool.take_step_fills()
     pool.check_consistency()
+    fills, publications = _taken(pool)
     return (
         fills,
         publications,
@@ -150,5 +154,5 @@ def test_compiled_fill_noting_with_hashes_missing_fails_as_the_python_loop() -> 
         blocks = pool.get_new_blocks(4)
         with pytest.raises(ValueError, match="zip"):
             pool.cache_full_blocks(request, blocks, 0, 4, BLOCK, 0)
-        noted.append((pool.take_step_fills(), [b.num_hash_tokens for b in blocks]))
+        noted.append((_taken(pool), [b.num_hash_tokens for b in blocks]))
     assert noted[0] == noted[1]

@@ -36,8 +36,8 @@ def _fill(pool: Any, guarded: bool, prompt: list[int], req_id: str) -> tuple[Any
 
 
 def _validate(pool: Any) -> None:
-    fills, publications = pool.take_step_fills()
-    pool.validate_step([b for ids in fills.values() for b in ids], publications)
+    noted = pool.ledger.take_noted()
+    pool.validate_fills([b for ids in noted.fills.values() for b in ids], noted.publications)
 
 
 def test_block_stored_waits_for_validation_and_matches_stock() -> None:

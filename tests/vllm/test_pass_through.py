@@ -1,9 +1,9 @@
-"""Pass-through mode (``KVGUARD_GUARD=0``): vLLM's own code, reached directly.
+"""Pass-through mode (``KVGUARD_GUARD=0``): vLLM's own classes, not a mode of kvguard's.
 
-A guard switched off must cost nothing beyond being another class: the pool and the
-scheduler bind vLLM's own methods on the instance, so vLLM's calls skip kvguard's
-overrides (each would add a frame to reach ``super()``), and decisions, NaN handling
-included, are stock vLLM's.
+A guard switched off must cost nothing and decide as vLLM does: building a guarded
+scheduler with the guard off builds vLLM's own ``Scheduler`` / ``AsyncScheduler`` on
+vLLM's own ``BlockPool`` (a factory, not ``if core is None`` branches), and decisions,
+NaN handling included, are stock vLLM's.
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
-from kvguard.adapters.vllm import GuardedBlockPool  # noqa: E402
-from kvguard.adapters.vllm.config import GuardConfig  # noqa: E402
+from kvguard.adapters.vllm import GuardedBlockPool, build_kv_cache_manager  # noqa: E402
+from kvguard.adapters.vllm.config import GuardConfig, GuardConfigError  # noqa: E402
+from kvguard.adapters.vllm.manager import install_guarded_pool  # noqa: E402
+from kvguard.adapters.vllm.scheduler import GuardedAsyncScheduler, GuardedScheduler  # noqa: E402
 
 from .harness import (  # noqa: E402
     BLOCK,
@@ -28,56 +30,36 @@ from .harness import (  # noqa: E402
     make_scheduler,
 )
 
-# Spelled out, not read from the adapter: a method that gains an override must be
-# added here, and one that loses its fast path fails.
-POOL_METHODS = (
-    "get_cached_block",
-    "cache_full_blocks",
-    "get_new_blocks",
-    "touch",
-    "free_blocks",
-    "evict_blocks",
-    "reset_prefix_cache",
-    "cache_partial_block",
-    "move_block_hashes",
-    "unpin_blocks",
-)
-SCHEDULER_HOOKS = (
-    "schedule",
-    "update_from_output",
-    "_get_new_block_ids_to_zero",
-    "_free_request",
-    "_free_request_blocks",
-    "make_stats",
-)
-
-
-def test_every_override_of_vllms_pool_is_listed() -> None:
-    overridden = {
-        name
-        for name, value in vars(GuardedBlockPool).items()
-        if callable(value) and not name.startswith("__") and hasattr(BlockPool, name)
-    }
-    assert overridden == set(POOL_METHODS)
-
-
-def test_pass_through_pool_calls_vllms_own_methods() -> None:
-    off = GuardedBlockPool(16, True, BLOCK, guard=GuardConfig(enabled=False))
-    on = GuardedBlockPool(16, True, BLOCK, guard=GuardConfig(enabled=True))
-    for name in POOL_METHODS:
-        assert getattr(off, name).__func__ is getattr(BlockPool, name), name
-        assert getattr(on, name).__func__ is getattr(GuardedBlockPool, name), name
+OFF = GuardConfig(enabled=False)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_pass_through_scheduler_runs_vllms_own_hooks(async_scheduling: bool) -> None:
+def test_the_guard_off_builds_vllms_own_scheduler_and_pool(async_scheduling: bool) -> None:
     vllm_cls = AsyncScheduler if async_scheduling else Scheduler
+    guarded_cls = GuardedAsyncScheduler if async_scheduling else GuardedScheduler
     off = make_scheduler(async_scheduling=async_scheduling, kvguard={"enabled": False})
+    assert type(off) is vllm_cls
+    assert type(off.kv_cache_manager.block_pool) is BlockPool
+    assert not hasattr(off, "kvguard_pool")
     on = make_scheduler(async_scheduling=async_scheduling)
-    for name in SCHEDULER_HOOKS:
-        assert getattr(off, name).__func__ is getattr(vllm_cls, name), name
-        assert getattr(on, name).__func__ is getattr(type(on), name), name
-        assert getattr(type(on), name) is not getattr(vllm_cls, name), name
+    assert type(on) is guarded_cls
+    assert type(on.kv_cache_manager.block_pool) is GuardedBlockPool
+
+
+def test_the_guarded_pool_is_never_built_with_the_guard_off() -> None:
+    with pytest.raises(GuardConfigError, match="always guarded"):
+        GuardedBlockPool(16, True, BLOCK, guard=OFF)
+    manager = build_kv_cache_manager(
+        guard=OFF,
+        kv_cache_config=make_scheduler(guarded=False).kv_cache_config,
+        max_model_len=1024,
+        scheduler_block_size=BLOCK,
+        hash_block_size=BLOCK,
+    )
+    assert type(manager.block_pool) is BlockPool
+    with pytest.raises(GuardConfigError, match="pass-through keeps vLLM's own pool"):
+        install_guarded_pool(manager, OFF)
+    assert type(manager.block_pool) is BlockPool
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

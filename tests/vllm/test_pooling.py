@@ -14,6 +14,9 @@ pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 from vllm.pooling_params import PoolingParams  # noqa: E402
+from vllm.v1.core.block_pool import BlockPool  # noqa: E402
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
@@ -66,6 +69,8 @@ def test_a_pooling_model_runs_in_pass_through_with_one_log_line(
         if not s.requests:
             break
     assert reasons == {"e1": "stop", "e2": "stop"}
-    assert s.kvguard_pool.core is None  # pass-through: vLLM's own pool behaviour
+    # Pass-through: vLLM's own scheduler and pool.
+    assert type(s) is (AsyncScheduler if async_scheduling else Scheduler)
+    assert type(s.kv_cache_manager.block_pool) is BlockPool
     lines = [r.getMessage() for r in caplog.records if "pooling" in r.getMessage()]
     assert len(lines) == 1 and "pass-through" in lines[0], lines

@@ -2,29 +2,28 @@
 
 vLLM's ``KVCacheCoordinator``, ``SingleTypeKVCacheManager``s and ``KVCacheManager``
 call this object exactly as they call ``vllm.v1.core.block_pool.BlockPool`` (it is a
-subclass, so every attribute vLLM or a connector reads exists). Two modes:
+subclass, so every attribute vLLM or a connector reads exists). It is always guarded:
+with the guard off, vLLM keeps its own pool (:func:`~kvguard.adapters.vllm.manager.
+install_guarded_pool` is not called; the guarded schedulers build vLLM's own scheduler).
 
-* **pass-through** (``guard=None`` or ``GuardConfig(enabled=False)``): every call is
-  vLLM's own code; behaviour is identical to vLLM's pool (checked against vLLM's own
-  KV-cache tests).
-* **guarded**: a :class:`kvguard.BlockPool` owns every block's state, the free queue
-  (quarantined blocks first), the prefix index and the zero queue. The block objects
-  vLLM's managers hold are kvguard's own block records
-  (:class:`~kvguard.adapters.vllm.kv_block.GuardedKVCacheBlock`): the ``ref_cnt`` and
-  ``block_hash`` vLLM reads are kvguard's, written once, never a mirrored copy.
-  ``cache_full_blocks`` no longer inserts at schedule time: it notes the blocks the
-  step being scheduled fills and the publication each is due (hash, parent, owner);
-  :meth:`validate_step` hands both to kvguard once the step's output is clean, and
-  kvguard validates and publishes them in one call. The guarded scheduler drives
-  :meth:`take_step_fills` / :meth:`validate_step` / :meth:`fail_step`, and sets
-  :attr:`freeing_clean_request` while it frees a request that leaves after a clean
-  step.
+A :class:`kvguard.BlockPool` owns every block's state, the free queue (quarantined
+blocks first), the prefix index and the zero queue. The block objects vLLM's managers
+hold are kvguard's own block records
+(:class:`~kvguard.adapters.vllm.kv_block.GuardedKVCacheBlock`): the ``ref_cnt`` and
+``block_hash`` vLLM reads are kvguard's, written once, never a mirrored copy.
+``cache_full_blocks`` no longer inserts at schedule time: it notes the blocks vLLM
+caches and the publication each is due (hash, parent, owner) in the pool's
+:class:`~kvguard.adapters.vllm.step_ledger.StepLedger`, the one record of what is held
+back; :meth:`validate_fills` hands both to kvguard once the step that filled them is
+clean, and kvguard validates and publishes them in one call. How a release goes is said
+in the call: ``free_blocks(blocks, steps_passed=True)`` for the blocks of a request
+that leaves after a clean step (vLLM's own calls leave it False: unvalidated blocks are
+quarantined).
 
-Guarded mode supports full-attention (MHA, GQA, MLA), sliding-window, chunked-local and
-R-SWA KV cache groups (the guarded scheduler validates the blocks a window, local chunk
-or R-SWA gap frees, see docs/vllm.md); other managers copy, re-point or ring-reuse
-cached blocks (``move_block_hashes``, ``cache_partial_block``) and are refused at
-install time.
+Supported KV cache groups: full attention (MHA, GQA, MLA), sliding window, chunked
+local and R-SWA (the guarded scheduler validates the blocks a window, local chunk or
+R-SWA gap frees, see docs/vllm.md); other managers copy, re-point or ring-reuse cached
+blocks (``move_block_hashes``, ``cache_partial_block``) and are refused at install time.
 """
 
 from __future__ import annotations
@@ -64,8 +63,9 @@ from kvguard.pool import BlockPool as KvGuardPool  # noqa: E402
 from kvguard.results import BlockValidation  # noqa: E402
 from kvguard.states import BlockState  # noqa: E402
 
-from .config import GuardConfig  # noqa: E402
+from .config import GuardConfig, GuardConfigError  # noqa: E402
 from .kv_block import GuardedKVCacheBlock  # noqa: E402
+from .step_ledger import StepLedger  # noqa: E402
 
 _WRITTEN = BlockState.WRITTEN
 
@@ -96,51 +96,32 @@ class _FreeQueueOwnedByKvGuard:
 class GuardedBlockPool(BlockPool):
     """vLLM's block pool interface over kvguard's validation-gated pool."""
 
-    def __init__(self, *args: Any, guard: GuardConfig | None = None, **kwargs: Any) -> None:
-        # vLLM's own constructor arguments, whatever the series takes (see
-        # _compat.block_pool_kwargs); its settings are read back from the attributes
-        # it sets.
+    def __init__(
+        self,
+        *args: Any,
+        guard: GuardConfig,
+        ledger: StepLedger | None = None,
+        window_frees: Callable[[list[int]], bool | None] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """vLLM's own constructor arguments (whatever the series takes, see
+        _compat.block_pool_kwargs; its settings are read back from the attributes it
+        sets), the guard's settings, and from a guarded scheduler: its ``ledger``
+        (else a ledger of the pool's own, whose noted fills the caller takes) and, on
+        a model with window groups, ``window_frees``: whether every step that wrote
+        the blocks vLLM frees passed -- True or False while vLLM frees a running
+        request's window, local chunk or R-SWA gap, None for any other release."""
         super().__init__(*args, **kwargs)
-        self.guard = guard if guard is not None else GuardConfig(enabled=False)
-        self.core: KvGuardPool | None = None
-        self._fill_notes: FillNotes | None = None
-        # With vLLM's KV events on: block id -> (request, block index, block size,
-        # group) of a publication waiting for its step, to build vLLM's BlockStored
-        # event from vLLM's request once kvguard publishes the block.
-        self._deferred: dict[int, tuple[Any, int, int, int]] = {}
-        # The step being scheduled: request id -> blocks it fills, and block id ->
-        # the publication (hash, parent, owner) held back until the step validates.
-        self._fills: dict[str, list[int]] = {}
-        self._publications: dict[int, PendingPublication] = {}
-        # Set by the guarded scheduler while it frees the blocks of a request whose
-        # last step was clean and none is in flight: free_blocks validates what that
-        # request still has WRITTEN (its partial tail) instead of quarantining it.
-        self.freeing_clean_request = False
-        # Set by the guarded scheduler while vLLM processes a step's output: blocks
-        # vLLM caches then (under async scheduling, those whose last token just became
-        # known; with draft tokens, those accepted drafts filled) are validated with
-        # that output when this says every write into them reported clean -- (request
-        # id, tokens the blocks cover) -> bool -- instead of waiting for a step that
-        # will never name them.
-        self.settle_fills: Callable[[str, int], bool] | None = None
-        # Blocks settle_fills vouched for, and their publications: validated together
-        # by flush_settled() -- before any block is freed, and when the output is
-        # processed -- in one call instead of one per request.
-        self._settled: list[int] = []
-        self._settled_publications: dict[int, PendingPublication] = {}
-        # Set by the guarded scheduler while vLLM frees blocks of a running request's
-        # window, local chunk or R-SWA gap (``remove_skipped_blocks``): the request,
-        # and what free_blocks asks about the blocks it frees before releasing them
-        # -- (request id, block ids) -> whether every step that wrote them passed.
-        self.window_request: str | None = None
-        self.on_window_free: Callable[[str, list[int]], bool] | None = None
-        if not self.guard.enabled:
-            # Pass-through: vLLM's own methods, bound on the instance, so that vLLM's
-            # calls reach them directly -- a guard switched off costs no extra frame
-            # per call (the overrides below would each add one to reach super()).
-            for name in _VLLM_OVERRIDES:
-                setattr(self, name, getattr(BlockPool, name).__get__(self))
-            return
+        if not guard.enabled:
+            raise GuardConfigError(
+                "GuardedBlockPool is always guarded: with the guard off, vLLM's own "
+                "BlockPool runs (install_guarded_pool is for a guard that is on)"
+            )
+        self.guard = guard
+        # Every publication held back, and what it waits for (cache_full_blocks notes
+        # them there).
+        self.ledger = ledger if ledger is not None else StepLedger()
+        self.window_frees = window_frees
         core = KvGuardPool(
             self.num_gpu_blocks,
             self.hash_block_size,
@@ -164,12 +145,12 @@ class GuardedBlockPool(BlockPool):
         self.null_block.is_null = True
         assert null_id == 0, "null block must be block 0"
         # The noting loop of cache_full_blocks in C, when kvguard's extension is built.
-        self._fill_notes = fill_notes(GuardedKVCacheBlock, _WRITTEN)
+        self._fill_notes: FillNotes | None = fill_notes(GuardedKVCacheBlock, _WRITTEN)
         self.get_num_free_blocks = core.get_num_free_blocks
         self._cached_block_id = core.prefix_index.get
         self.free_block_queue = _FreeQueueOwnedByKvGuard()
 
-    # ------------------------------------------------------------------ steps (guarded)
+    # ------------------------------------------------------------------ validation
     #
     # A block is WRITTEN from the moment vLLM hands it to a request (it is allocated
     # because the step being scheduled writes it) until the step that *fills* it
@@ -177,65 +158,49 @@ class GuardedBlockPool(BlockPool):
     # tail block, until its request ends after a clean step. A decode step writing one
     # more token into a partial block therefore costs the guard nothing.
 
-    def take_step_fills(self) -> tuple[dict[str, list[int]], dict[int, PendingPublication]]:
-        """Blocks filled (cached by vLLM) since the last call, per request id, and the
-        publications held back for them."""
-        fills, publications = self._fills, self._publications
-        self._fills, self._publications = {}, {}
-        return fills, publications
-
-    def has_step_fills(self) -> bool:
-        """Whether blocks were noted as filled since the last :meth:`take_step_fills`."""
-        return bool(self._fills)
-
-    def validate_step(
+    def validate_fills(
         self,
         block_ids: Sequence[int],
         publications: Mapping[int, PendingPublication] | None = None,
     ) -> BlockValidation:
         """The steps that filled ``block_ids`` produced finite logits for their
         requests: kvguard validates the blocks and publishes them under
-        ``publications`` (from :meth:`take_step_fills`)."""
-        assert self.core is not None
+        ``publications`` (held in the :attr:`ledger`)."""
         result = self.core.validate_blocks(block_ids, publications)
-        deferred = self._deferred
-        if deferred:  # vLLM's KV events are on
+        events = self.ledger.events
+        if events:  # vLLM's KV events are on
             blocks = self.blocks
             for done in (result.published, result.duplicates):
                 for block_id in done:
-                    pending = deferred.pop(block_id, None)
+                    pending = events.pop(block_id, None)
                     if pending is not None:
                         self._emit_block_stored(blocks[block_id], *pending)
         return result
 
-    def flush_settled(self) -> None:
-        """Validate and publish the blocks cached while an output was processed whose
-        every write reported clean (``settle_fills``), noted since the last call."""
-        if self._settled:
-            ids, publications = self._settled, self._settled_publications
-            self._settled, self._settled_publications = [], {}
-            self.validate_step(ids, publications)
+    def validate_settled(self) -> None:
+        """Validate and publish the blocks the ledger settled (cached while an output
+        was processed, every write into them clean) since the last call."""
+        if self.ledger.settled:
+            self.validate_fills(*self.ledger.take_settled())
 
-    def fail_step(self, block_ids: Iterable[int]) -> tuple[int, ...]:
-        """The step failed (or can never be validated): quarantine what it wrote."""
-        assert self.core is not None
+    def fail_fills(self, block_ids: Iterable[int]) -> tuple[int, ...]:
+        """The steps that filled ``block_ids`` failed (or can never be validated):
+        quarantine what they wrote."""
         quarantined = self.core.fail_blocks(block_ids)
-        if self._deferred:
+        events = self.ledger.events
+        if events:
             for block_id in quarantined:
-                self._deferred.pop(block_id, None)
+                events.pop(block_id, None)
         return quarantined
 
     def take_blocks_to_zero(self) -> list[int]:
-        return self.core.take_blocks_to_zero() if self.core is not None else []
+        return self.core.take_blocks_to_zero()
 
     # ------------------------------------------------------------------ lookups
 
     def get_cached_block(
         self, block_hash: Any, kv_cache_group_ids: list[int]
     ) -> list[KVCacheBlock] | None:
-        core = self.core
-        if core is None:
-            return super().get_cached_block(block_hash, kv_cache_group_ids)
         out = []
         lookup = self._cached_block_id
         for group_id in kv_cache_group_ids:
@@ -258,18 +223,6 @@ class GuardedBlockPool(BlockPool):
         kv_cache_group_id: int,
         block_mask: list[bool] | None = None,
     ) -> None:
-        core = self.core
-        if core is None:
-            super().cache_full_blocks(
-                request,
-                blocks,
-                num_cached_blocks,
-                num_full_blocks,
-                block_size,
-                kv_cache_group_id,
-                block_mask,
-            )
-            return
         if num_cached_blocks >= num_full_blocks:
             return
         hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size, block_size)
@@ -282,7 +235,8 @@ class GuardedBlockPool(BlockPool):
         owner = request.request_id
         events = self.enable_kv_cache_events
         filled: list[int] = []
-        publications = self._publications
+        ledger = self.ledger
+        publications = ledger.note_publications()
         notes = self._fill_notes
         if not (
             notes is not None
@@ -314,17 +268,11 @@ class GuardedBlockPool(BlockPool):
                 block_mask,
                 suffix,
                 parent,
+                publications,
                 filled,
             )
         if filled:
-            settle = self.settle_fills
-            if settle is not None and settle(owner, num_full_blocks * block_size):
-                self._settled += filled
-                settled = self._settled_publications
-                for block_id in filled:
-                    settled[block_id] = publications.pop(block_id)
-            else:
-                self._fills.setdefault(owner, []).extend(filled)
+            ledger.note(owner, filled, num_full_blocks * block_size)
 
     def _note_fills(
         self,
@@ -338,14 +286,15 @@ class GuardedBlockPool(BlockPool):
         block_mask: list[bool] | None,
         suffix: bytes,
         parent: BlockHash | None,
+        publications: dict[int, PendingPublication],
         filled: list[int],
     ) -> None:
-        """Note each block of ``blocks[num_cached_blocks:num_full_blocks]`` the step
-        being scheduled fills (appended to ``filled``, its publication held back);
-        publish at once those no step in flight writes."""
+        """Note each block of ``blocks[num_cached_blocks:num_full_blocks]`` a step in
+        flight writes (appended to ``filled``, its publication held back in
+        ``publications``); publish at once those no step in flight writes."""
         owner = request.request_id
         events = self.enable_kv_cache_events
-        publications = self._publications
+        held_events = self.ledger.events
         i = num_cached_blocks
         for block, block_hash in zip(
             blocks[num_cached_blocks:num_full_blocks],
@@ -361,7 +310,7 @@ class GuardedBlockPool(BlockPool):
                     filled.append(block_id)
                     publications[block_id] = (key, parent, owner)
                     if events:
-                        self._deferred[block_id] = (request, i, block_size, kv_cache_group_id)
+                        held_events[block_id] = (request, i, block_size, kv_cache_group_id)
                 elif not block.is_null:
                     self._publish_now(block, key, parent, request, i, block_size, kv_cache_group_id)
             parent = key
@@ -378,11 +327,9 @@ class GuardedBlockPool(BlockPool):
         group_id: int,
     ) -> None:
         """A block vLLM caches that no in-flight step writes: publish it now."""
-        core = self.core
-        assert core is not None
         block.num_hash_tokens = (index + 1) * block_size
         try:
-            core.publish_block(block.block_id, key, parent, owner=request.request_id)
+            self.core.publish_block(block.block_id, key, parent, owner=request.request_id)
         except IllegalTransitionError:
             return  # quarantined by a failed step: never published
         if self.enable_kv_cache_events:
@@ -418,11 +365,9 @@ class GuardedBlockPool(BlockPool):
     def _report_core_removals(self) -> None:
         """Turn kvguard's eviction/invalidation events into vLLM's ``BlockRemoved``
         events and eviction metrics (kvguard records events only when vLLM wants these)."""
-        core = self.core
-        assert core is not None
         collector = self.metrics_collector
         events = self.enable_kv_cache_events
-        for event in core.take_events():
+        for event in self.core.take_events():
             if not isinstance(event, CoreBlockRemoved):
                 continue  # BlockStored: vLLM's own is built from vLLM's request
             for block_id, key in zip(event.block_ids, event.block_hashes, strict=True):
@@ -441,8 +386,6 @@ class GuardedBlockPool(BlockPool):
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         core = self.core
-        if core is None:
-            return super().get_new_blocks(num_blocks)
         try:
             # WRITTEN: handed out because the step being scheduled writes them (or a
             # connector loads KV into them), unvalidated until the step that fills them.
@@ -462,24 +405,25 @@ class GuardedBlockPool(BlockPool):
         return ret
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
-        core = self.core
-        if core is None:
-            super().touch(blocks)
-            return
-        core.acquire_blocks([b.block_id for b in blocks if not b.is_null])
+        self.core.acquire_blocks([b.block_id for b in blocks if not b.is_null])
         collector = self.metrics_collector
         if collector:
             for block in blocks:
                 if not block.is_null:
                     collector.on_block_accessed(block)
 
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        core = self.core
-        if core is None:
-            super().free_blocks(ordered_blocks)
-            return
-        if self._settled:
-            self.flush_settled()  # a block vouched for is validated before it is freed
+    def free_blocks(
+        self, ordered_blocks: Iterable[KVCacheBlock], *, steps_passed: bool = False
+    ) -> None:
+        """vLLM's release of ``ordered_blocks`` (in order), with how it goes: blocks
+        still WRITTEN -- no step validated them -- are validated as they are released
+        when ``steps_passed`` (every step that wrote them passed: a request leaving
+        after a clean step), else quarantined (zeroed before reuse). vLLM's own calls
+        pass nothing; only a window free -- whose steps the guarded scheduler knows
+        (:attr:`window_frees`) -- is released as those steps went. A publication still
+        held back for a released block dies with its last reference."""
+        if self.ledger.settled:
+            self.validate_settled()  # a block vouched for is validated before it is freed
         released = ordered_blocks if isinstance(ordered_blocks, list) else list(ordered_blocks)
         ids = [block.block_id for block in released if block.pool is self and not block.is_null]
         other_pools: dict[Any, list[KVCacheBlock]] = {}
@@ -487,21 +431,19 @@ class GuardedBlockPool(BlockPool):
             for block in released:
                 if block.pool is not self and not block.is_null:
                     other_pools.setdefault(block.pool, []).append(block)
-        # Released blocks whose step never validated are quarantined by kvguard here
-        # -- unless they belong to a request leaving clean (freeing_clean_request) --
-        # (it raises, changing nothing, on a double free); a publication waiting for
-        # its step dies with the last reference.
-        steps_passed = self.freeing_clean_request
-        window = self.window_request
-        if window is not None and self.on_window_free is not None:
-            steps_passed = self.on_window_free(window, ids)
-        core.release_blocks(ids, steps_passed=steps_passed)
-        deferred = self._deferred
-        if deferred:
+        window_frees = self.window_frees
+        if window_frees is not None:
+            passed = window_frees(ids)
+            if passed is not None:
+                steps_passed = passed
+        # (kvguard raises, changing nothing, on a double free.)
+        self.core.release_blocks(ids, steps_passed=steps_passed)
+        events = self.ledger.events
+        if events:
             blocks = self.blocks
             for block_id in ids:
                 if not blocks[block_id].ref_cnt:
-                    deferred.pop(block_id, None)
+                    events.pop(block_id, None)
         for pool, others in other_pools.items():
             pool.free_blocks(others)
 
@@ -510,9 +452,6 @@ class GuardedBlockPool(BlockPool):
     def evict_blocks(self, block_ids: set[int]) -> None:
         """KV that failed to load: taint it in kvguard (quarantined, zeroed on reuse)."""
         core = self.core
-        if core is None:
-            super().evict_blocks(block_ids)
-            return
         hashes = []
         for block_id in block_ids:
             assert block_id < len(self.blocks), (
@@ -529,8 +468,6 @@ class GuardedBlockPool(BlockPool):
 
     def reset_prefix_cache(self) -> bool:
         core = self.core
-        if core is None:
-            return super().reset_prefix_cache()
         watched = [self.blocks[b] for b in list(self._reuse_watchers)]
         if not core.reset_prefix_cache(keep_held=[self.null_block.block_id]):
             return False
@@ -549,19 +486,13 @@ class GuardedBlockPool(BlockPool):
     # ------------------------------------------------------------------ not covered
 
     def cache_partial_block(self, *args: Any, **kwargs: Any) -> Any:
-        if self.core is not None:
-            raise GuardModeUnsupported("partial-block prefix caching in guarded mode")
-        return super().cache_partial_block(*args, **kwargs)
+        raise GuardModeUnsupported("partial-block prefix caching in guarded mode")
 
     def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
-        if self.core is not None:
-            raise GuardModeUnsupported("copy-on-write of cached blocks in guarded mode")
-        super().move_block_hashes(src_block, dst_block)
+        raise GuardModeUnsupported("copy-on-write of cached blocks in guarded mode")
 
     def unpin_blocks(self, blocks: Iterable[KVCacheBlock], on_reuse: Any) -> None:
-        if self.core is not None:
-            raise GuardModeUnsupported("unpin_blocks (read-until-reuse) in guarded mode")
-        super().unpin_blocks(blocks, on_reuse)
+        raise GuardModeUnsupported("unpin_blocks (read-until-reuse) in guarded mode")
 
     # ------------------------------------------------------------------ checks
 
@@ -571,23 +502,12 @@ class GuardedBlockPool(BlockPool):
         pool), block 0 alone is the null block and stays held and uncached, and every
         publication still held back is for a block its step is writing."""
         core = self.core
-        if core is None:
-            return
         core.check_invariants()
         assert self.blocks is core.block_records, "vLLM's blocks are not kvguard's records"
         assert all(block.pool is self for block in self.blocks), "a block names another pool"
         assert self.null_block is self.blocks[0] and self.null_block.is_null
         assert not any(block.is_null for block in self.blocks[1:]), "a second null block"
         assert self.null_block.state is BlockState.ALLOCATED and self.null_block.ref_cnt >= 1
-        for block_id in (*self._publications, *self._settled_publications, *self._deferred):
+        for block_id in self.ledger.held_blocks():
             state = self.blocks[block_id].state
             assert state is _WRITTEN, f"block {block_id} held for publication is {state.name}"
-
-
-_VLLM_OVERRIDES = tuple(
-    name
-    for name, value in vars(GuardedBlockPool).items()
-    if callable(value) and not name.startswith("__") and hasattr(BlockPool, name)
-)
-"""vLLM ``BlockPool`` methods the guarded pool overrides (each falls back to vLLM's in
-pass-through mode)."""

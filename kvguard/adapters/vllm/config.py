@@ -26,7 +26,8 @@ class GuardConfigError(PoolMisuseError):
 @dataclass(frozen=True, slots=True)
 class GuardConfig:
     enabled: bool = True
-    """False: the pool behaves exactly like vLLM's own (pass-through)."""
+    """False: pass-through -- the guarded scheduler classes build vLLM's own scheduler,
+    on vLLM's own pool."""
     zero_policy: ZeroPolicy = ZeroPolicy.SUSPECT
     """Which reused blocks the worker zeroes (``new_block_ids_to_zero``)."""
     check_invariants: bool = False

@@ -4,11 +4,13 @@ vLLM's ``KVCacheCoordinator.__init__`` constructs ``vllm.v1.core.block_pool.Bloc
 by name, and every single-type manager keeps a reference to it (and to its null
 block). :func:`install_guarded_pool` swaps in a :class:`GuardedBlockPool` right after
 construction, before any block was handed out — the one supported way, used by
-:func:`build_kv_cache_manager` and by the guarded schedulers.
+:func:`build_kv_cache_manager` and by the guarded schedulers. With the guard off nothing
+is swapped: vLLM's own pool runs (pass-through is vLLM's own classes).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from kvguard.adapters.vllm._compat import block_pool_kwargs, require_supported_vllm
@@ -24,7 +26,8 @@ from vllm.v1.core.single_type_kv_cache_manager import (  # noqa: E402
 )
 
 from .block_pool import GuardedBlockPool, GuardModeUnsupported  # noqa: E402
-from .config import GuardConfig  # noqa: E402
+from .config import GuardConfig, GuardConfigError  # noqa: E402
+from .step_ledger import StepLedger  # noqa: E402
 
 GUARDED_MANAGERS = (
     FullAttentionManager,
@@ -38,8 +41,20 @@ covered). The windowed ones free blocks below a running request's processed toke
 (``remove_skipped_blocks``), which the guarded schedulers validate as they go."""
 
 
-def install_guarded_pool(manager: Any, guard: GuardConfig) -> GuardedBlockPool:
-    """Replace ``manager``'s block pool by a :class:`GuardedBlockPool` (fresh manager only)."""
+def install_guarded_pool(
+    manager: Any,
+    guard: GuardConfig,
+    *,
+    ledger: StepLedger | None = None,
+    window_frees: Callable[[list[int]], bool | None] | None = None,
+) -> GuardedBlockPool:
+    """Replace ``manager``'s block pool by a :class:`GuardedBlockPool` (fresh manager
+    only; a guard that is on -- with it off, vLLM's own pool stays). ``ledger`` and
+    ``window_frees``: see :class:`GuardedBlockPool`."""
+    if not guard.enabled:
+        raise GuardConfigError(
+            "install_guarded_pool() with the guard off: pass-through keeps vLLM's own pool"
+        )
     old = manager.block_pool
     if isinstance(old, GuardedBlockPool):
         raise RuntimeError("this KVCacheManager already runs on a GuardedBlockPool")
@@ -49,20 +64,21 @@ def install_guarded_pool(manager: Any, guard: GuardConfig) -> GuardedBlockPool:
         )
     coordinator = manager.coordinator
     managers = coordinator.single_type_managers
-    if guard.enabled:
-        unsupported = [type(m).__name__ for m in managers if type(m) not in GUARDED_MANAGERS]
-        if unsupported:
-            raise GuardModeUnsupported(
-                "kvguard's guarded pool supports full-attention, sliding-window, "
-                "chunked-local and R-SWA KV cache groups only; this model also has "
-                f"{sorted(set(unsupported))}. Set KVGUARD_GUARD=0 (pass-through) for it."
-            )
-        if coordinator.enable_partial_hash_hits:
-            raise GuardModeUnsupported(
-                "kvguard's guarded pool does not support partial-block prefix hits "
-                "(hash_block_size < block_size)"
-            )
-    pool = GuardedBlockPool(**block_pool_kwargs(old), guard=guard)
+    unsupported = [type(m).__name__ for m in managers if type(m) not in GUARDED_MANAGERS]
+    if unsupported:
+        raise GuardModeUnsupported(
+            "kvguard's guarded pool supports full-attention, sliding-window, "
+            "chunked-local and R-SWA KV cache groups only; this model also has "
+            f"{sorted(set(unsupported))}. Set KVGUARD_GUARD=0 (pass-through) for it."
+        )
+    if coordinator.enable_partial_hash_hits:
+        raise GuardModeUnsupported(
+            "kvguard's guarded pool does not support partial-block prefix hits "
+            "(hash_block_size < block_size)"
+        )
+    pool = GuardedBlockPool(
+        **block_pool_kwargs(old), guard=guard, ledger=ledger, window_frees=window_frees
+    )
     coordinator.block_pool = pool
     manager.block_pool = pool
     for single in managers:
@@ -72,13 +88,18 @@ def install_guarded_pool(manager: Any, guard: GuardConfig) -> GuardedBlockPool:
 
 
 def build_kv_cache_manager(*, guard: GuardConfig | None = None, **kwargs: Any) -> Any:
-    """``KVCacheManager(**kwargs)`` running on kvguard's pool (``guard`` defaults to
-    the environment's settings, see :mod:`kvguard.adapters.vllm.config`).
+    """``KVCacheManager(**kwargs)`` running on kvguard's pool, or on vLLM's own with the
+    guard off (``guard`` defaults to the environment's settings, see
+    :mod:`kvguard.adapters.vllm.config`). The blocks vLLM caches are noted in the pool's
+    ledger (``block_pool.ledger.take_noted()``) for the caller to validate
+    (``block_pool.validate_fills``).
 
     With a sliding-window, chunked-local or R-SWA group, the blocks vLLM frees while a
     request runs are released without knowing whether their steps passed (the guarded
     schedulers know): unvalidated ones are quarantined, and must not be named in a
-    later ``validate_step``."""
+    later ``validate_fills``."""
     manager = KVCacheManager(**kwargs)
-    install_guarded_pool(manager, guard if guard is not None else GuardConfig.from_env())
+    guard = guard if guard is not None else GuardConfig.from_env()
+    if guard.enabled:
+        install_guarded_pool(manager, guard)
     return manager

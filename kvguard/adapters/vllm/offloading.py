@@ -30,10 +30,11 @@ code unchanged.
   reset has its blocks' records withdrawn, so ``tier_copies`` names only chunks the
   tier holds, and the record stays the tier's size on a server that runs for weeks.
 
-Without kvguard's pool underneath (stock scheduler, ``KVGUARD_GUARD=0``) it is vLLM's
-``OffloadingConnector``. Select it with ``KVTransferConfig(kv_connector=
-"GuardedOffloadingConnector", kv_connector_module_path="kvguard.adapters.vllm.offloading")``,
-or let the plugin (``KVGUARD_GUARD=1``) substitute it for ``OffloadingConnector``.
+Without kvguard's pool underneath (stock scheduler, or the guard off: vLLM's own
+scheduler and pool) it is vLLM's ``OffloadingConnector``. Select it with
+``KVTransferConfig(kv_connector="GuardedOffloadingConnector",
+kv_connector_module_path="kvguard.adapters.vllm.offloading")``, or let the plugin
+(``KVGUARD_GUARD=1``) substitute it for ``OffloadingConnector``.
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
         pool = self.kvguard_pool()
         for key in keys:
             hashes = stored.pop(key, ())
-            if pool is not None and pool.core is not None:
+            if pool is not None:
                 for block_hash in hashes:
                     pool.core.forget_tier_copy(TIER, block_hash)
 
@@ -131,13 +132,11 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
         self._kvguard_kv_cache_manager = kv_cache_manager
 
     def kvguard_pool(self) -> GuardedBlockPool | None:
-        """kvguard's pool under the scheduler, or None (stock or pass-through pool:
-        the connector is then vLLM's own)."""
+        """kvguard's pool under the scheduler, or None (vLLM's own pool: stock vLLM or
+        the guard off; the connector is then vLLM's own)."""
         manager = self._kvguard_kv_cache_manager
         pool = getattr(manager, "block_pool", None)
-        if isinstance(pool, GuardedBlockPool) and pool.core is not None:
-            return pool
-        return None
+        return pool if isinstance(pool, GuardedBlockPool) else None
 
     # ------------------------------------------------------------------ store admission
 
@@ -274,7 +273,6 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
     def _kvguard_admit(self, pool: GuardedBlockPool, jobs: dict[int, Any]) -> dict[int, Any]:
         """Take a ticket per source block of each job; cancel a job kvguard refuses."""
         core = pool.core
-        assert core is not None
         counters = self.kvguard_counters
         for job_id in list(jobs):
             status = self._jobs[job_id]
@@ -354,7 +352,6 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
         if pool is None:
             return
         core = pool.core
-        assert core is not None
         discard: list[Any] = []
         stored = self._kvguard_stored
         ack = core.ack_store
@@ -380,7 +377,7 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
     def _kvguard_fail_in_flight(self) -> None:
         """A cache reset flushes every job in flight: their tickets fail."""
         pool = self.kvguard_pool()
-        if pool is not None and pool.core is not None:
+        if pool is not None:
             for by_key in self._kvguard_tickets.values():
                 for taken in by_key.values():
                     for ticket in taken:

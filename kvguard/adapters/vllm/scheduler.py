@@ -9,29 +9,33 @@ What changes against vLLM (everything else is vLLM's own code path):
 
 * ``schedule``: blocks vLLM hands out are WRITTEN (kvguard) from then on; full blocks
   vLLM caches while scheduling the step are only *marked* for publication and noted
-  as filled by this step (one ledger record per step, no per-request work).
+  as filled by this step (one record per step in the pool's
+  :class:`~kvguard.adapters.vllm.step_ledger.StepLedger`, no per-request work).
 * ``update_from_output``: before vLLM processes the output, every request whose row
   in ``num_nans_in_logits`` is non-zero is finished with ``FINISHED_ERROR`` (its
   client sees finish reason ``"error"``, its NaN-derived tokens are never delivered)
   and the blocks its in-flight steps filled are QUARANTINED (its partial tail on
   release); the blocks the other requests' steps filled are validated in one call,
   and enter the prefix cache only then. A request ending with no step in flight after
-  a clean step has its partial tail validated as its blocks are released (now, or when
-  a connector lets them go: ``release_blocks(..., steps_passed=True)``); one freed or
-  preempted with a step in flight is forgotten, and its unvalidated blocks are
-  quarantined on release.
+  a clean step has its partial tail validated as its blocks are released
+  (``free_blocks(..., steps_passed=True)``); one freed or preempted with a step in
+  flight, or whose blocks a connector holds on to, is forgotten, and its unvalidated
+  blocks are quarantined on release.
 * ``new_block_ids_to_zero`` carries kvguard's zero queue (quarantined blocks being
   reused, or every new block under ``zero_policy=all``) instead of vLLM's "every new
   block" list. Workers apply it only when ``KVCacheConfig.needs_kv_cache_zeroing`` is
   true: the plugin (``KVGUARD_GUARD=1``, :mod:`kvguard.adapters.vllm.plugin`) makes it
   so; without it the scheduler logs a warning.
+
+With the guard off (``KVGUARD_GUARD=0``, ``{"enabled": false}``, or a pooling model)
+both classes build vLLM's own ``Scheduler`` / ``AsyncScheduler`` instead: pass-through
+is vLLM's own code, not a mode of the guarded classes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from kvguard.adapters.vllm._compat import require_supported_vllm
 from kvguard.zeroing import ZeroPolicy
@@ -47,12 +51,9 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager  # no
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from kvguard.block import PendingPublication  # noqa: E402
-
 from .binding import rebind_connectors, stale_references  # noqa: E402
 from .block_pool import GuardModeUnsupported  # noqa: E402
 from .config import GuardConfig, GuardConfigError  # noqa: E402
-from .ledger import StepLedger, StepRecord  # noqa: E402
 from .manager import install_guarded_pool  # noqa: E402
 from .metrics import (  # noqa: E402
     GuardMetrics,
@@ -61,6 +62,7 @@ from .metrics import (  # noqa: E402
     register_prometheus,
 )
 from .plugin import GUARD_ENV, stock_needs_zeroing, worker_counts_per_request  # noqa: E402
+from .step_ledger import HeldFills, StepLedger, StepRecord  # noqa: E402
 
 logger = init_logger(__name__)
 
@@ -74,6 +76,34 @@ def is_pooling_model(vllm_config: Any) -> bool:
     return bool(vllm_config.model_config.runner_type == "pooling")
 
 
+def guard_for(vllm_config: Any) -> GuardConfig:
+    """The guard's settings for this engine (:meth:`GuardConfig.from_vllm`), off for a
+    pooling model -- its steps sample nothing and vLLM counts no NaNs for them, so no
+    step could validate -- with a warning saying so."""
+    guard = GuardConfig.from_vllm(vllm_config.additional_config)
+    if guard.enabled and is_pooling_model(vllm_config):
+        logger.warning(
+            "kvguard: %s is a pooling model (runner %r): its outputs carry no NaN "
+            "counts, so the guard runs it in pass-through mode (vLLM's own KV cache "
+            "behaviour, unguarded)",
+            vllm_config.model_config.model,
+            vllm_config.model_config.runner_type,
+        )
+        guard = dataclasses.replace(guard, enabled=False)
+    return guard
+
+
+def keep_zeroing_to_kvguard(scheduler: Any) -> None:
+    """vLLM lists new blocks for zeroing only when it needs that itself: the plugin
+    made ``needs_kv_cache_zeroing`` true so that workers build their zeroer, and vLLM
+    would then zero every new block. Keep that to kvguard's zero queue (quarantined
+    blocks under "suspect"; nothing in pass-through)."""
+    if not stock_needs_zeroing(scheduler.kv_cache_config):
+        for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
+            manager._record_new_block_ids = False
+            manager.new_block_ids.clear()
+
+
 class _GuardMixin:
     """The guard's hooks; mixed in front of vLLM's scheduler classes."""
 
@@ -83,32 +113,31 @@ class _GuardMixin:
     requests: dict[str, Any]
     vllm_config: Any
 
+    _vllm_scheduler: ClassVar[Any]
+    """The vLLM class the guard is mixed into: what runs with the guard off."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # The factory: the guard on, this class; off, vLLM's own scheduler, built with
+        # the same arguments (not an instance of this class, so Python does not call
+        # __init__ below on it).
+        vllm_config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
+        if guard_for(vllm_config).enabled:
+            return super().__new__(cls)
+        scheduler = cls._vllm_scheduler(*args, **kwargs)
+        keep_zeroing_to_kvguard(scheduler)
+        return scheduler
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        guard = GuardConfig.from_vllm(self.vllm_config.additional_config)
-        if guard.enabled and is_pooling_model(self.vllm_config):
-            # Embedding/reranking steps sample nothing and vLLM counts no NaNs for
-            # them: no step could validate. vLLM's own pool and code paths run them.
-            logger.warning(
-                "kvguard: %s is a pooling model (runner %r): its outputs carry no NaN "
-                "counts, so the guard runs it in pass-through mode (vLLM's own KV cache "
-                "behaviour, unguarded)",
-                self.vllm_config.model_config.model,
-                self.vllm_config.model_config.runner_type,
-            )
-            guard = dataclasses.replace(guard, enabled=False)
-        if guard.enabled and not envs.VLLM_COMPUTE_NANS_IN_LOGITS:
+        guard = guard_for(self.vllm_config)  # on: __new__ built vLLM's scheduler otherwise
+        if not envs.VLLM_COMPUTE_NANS_IN_LOGITS:
             raise GuardConfigError(
                 f"kvguard validates each step by its per-request NaN logit counts, which "
                 f"vLLM computes only with {NAN_SETTING}=1 in the environment of the engine "
                 f"and its workers. Set {NAN_SETTING}=1, or KVGUARD_GUARD=0 to run the "
                 "scheduler in pass-through mode."
             )
-        if (
-            guard.enabled
-            and self.vllm_config.speculative_config is not None
-            and not worker_counts_per_request()
-        ):
+        if self.vllm_config.speculative_config is not None and not worker_counts_per_request():
             # vLLM 0.33's workers count NaNs per logits row and map row i to the i-th
             # request (nans_to_dict). With draft tokens a request has several rows, so
             # the counts name the wrong requests and rows past the batch size are
@@ -124,11 +153,6 @@ class _GuardMixin:
                 "Or turn speculative decoding off, or run the scheduler in pass-through "
                 f"mode ({GUARD_ENV}=0)."
             )
-        self._kvguard_ledger = StepLedger()
-        # Blocks filled without a step of their request (connector loads), waiting
-        # for the request's first step to vouch for them, and their publications.
-        self._kvguard_carry: dict[str, list[int]] = {}
-        self._kvguard_carry_publications: dict[int, PendingPublication] = {}
         # Requests being finished because their step failed (never settled clean).
         self._kvguard_failing: dict[str, int] = {}
         # Requests that left after a clean step, whose blocks are not released yet.
@@ -136,39 +160,31 @@ class _GuardMixin:
         # Requests whose latest step came back without a NaN count: not known clean
         # until a later step of theirs is counted clean.
         self._kvguard_unchecked: set[str] = set()
+        # The request whose window, local chunk or R-SWA gap vLLM is freeing now.
+        self._kvguard_window: str | None = None
+        # Every publication held back, per step in flight (and what else waits).
+        self._kvguard_ledger = StepLedger(settles=self._kvguard_fill_settled)
+        managers = self.kv_cache_manager.coordinator.single_type_managers
+        windowed = any(type(m) is not FullAttentionManager for m in managers)
         vllm_pool = self.kv_cache_manager.block_pool
-        self.kvguard_pool = install_guarded_pool(self.kv_cache_manager, guard)
+        self.kvguard_pool = install_guarded_pool(
+            self.kv_cache_manager,
+            guard,
+            ledger=self._kvguard_ledger,
+            window_frees=self._kvguard_window_frees if windowed else None,
+        )
         self._kvguard_rebind_connectors(vllm_pool)
-        if guard.enabled:
-            self._kvguard_setup_zeroing(self.kv_cache_config)
-            self._kvguard_check_connector()
-            managers = self.kv_cache_manager.coordinator.single_type_managers
-            if any(type(m) is not FullAttentionManager for m in managers):
-                self._kvguard_guard_window_frees()
-        else:
-            self._kvguard_stock_zeroing(self.kv_cache_config)
-            # Pass-through: vLLM's own hooks, bound on the instance (as the pool does
-            # for its methods), so that a guard switched off adds no frame per call.
-            vllm_scheduler = super()
-            for name in _VLLM_HOOKS:
-                setattr(self, name, getattr(vllm_scheduler, name))
+        self._kvguard_setup_zeroing(self.kv_cache_config)
+        self._kvguard_check_connector()
+        if windowed:
+            self._kvguard_name_window_frees()
         self.kvguard_metrics = GuardMetrics()
-        self.kvguard_metrics_label = register_prometheus(self) if guard.enabled else None
+        self.kvguard_metrics_label = register_prometheus(self)
         self._kvguard_stats_sender = StatsSender()
-
-    def _kvguard_stock_zeroing(self, kv_cache_config: Any) -> None:
-        """vLLM lists new blocks for zeroing only when it needs that itself."""
-        if not stock_needs_zeroing(kv_cache_config):
-            # The plugin made needs_kv_cache_zeroing true so that workers build their
-            # zeroer; vLLM would then zero every new block. Keep that to kvguard's
-            # policy (quarantined blocks under "suspect"; nothing in pass-through).
-            for manager in self.kv_cache_manager.coordinator.single_type_managers:
-                manager._record_new_block_ids = False
-                manager.new_block_ids.clear()
 
     def _kvguard_setup_zeroing(self, kv_cache_config: Any) -> None:
         """Only kvguard's zero queue goes to the worker, unless vLLM needs its own."""
-        self._kvguard_stock_zeroing(kv_cache_config)
+        keep_zeroing_to_kvguard(self)
         if not kv_cache_config.needs_kv_cache_zeroing and (
             self.kvguard_pool.guard.zero_policy is not ZeroPolicy.NONE
         ):
@@ -233,27 +249,36 @@ class _GuardMixin:
                 "vLLM with KVGUARD_GUARD=1, which selects it for you."
             )
 
-    def _kvguard_guard_window_frees(self) -> None:
+    def _kvguard_name_window_frees(self) -> None:
         """Sliding-window, chunked-local and R-SWA groups free blocks of a running
         request: those that left its window or local chunk, or R-SWA's gap between its
-        prompt and its window (vLLM's ``remove_skipped_blocks``). The wrapper only
-        names the request; the pool asks :meth:`_kvguard_window_free` about the blocks
-        vLLM actually frees (most calls free none)."""
+        prompt and its window (vLLM's ``remove_skipped_blocks``). Their managers free
+        them with ``block_pool.free_blocks(blocks)``: neither the request nor how the
+        release should go reaches the pool. The coordinator's ``remove_skipped_blocks``
+        -- the one entry of every window free, from ``allocate_slots`` and from
+        ``_connector_finished`` -- is the one place that knows the request: wrapped, it
+        names it for the pool's question (:meth:`_kvguard_window_frees`), asked about
+        the blocks vLLM actually frees (most calls free none)."""
         coordinator = self.kv_cache_manager.coordinator
         remove_skipped = coordinator.remove_skipped_blocks
-        pool = self.kvguard_pool
-        pool.on_window_free = self._kvguard_window_free
 
         def remove_skipped_blocks(
             request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
         ) -> None:
-            pool.window_request = request_id
+            self._kvguard_window = request_id
             try:
                 remove_skipped(request_id, processed_computed_tokens, num_prompt_tokens)
             finally:
-                pool.window_request = None
+                self._kvguard_window = None
 
         coordinator.remove_skipped_blocks = remove_skipped_blocks
+
+    def _kvguard_window_frees(self, block_ids: list[int]) -> bool | None:
+        """The pool's question on every release: while vLLM frees a request's window,
+        whether every step that wrote these blocks passed; otherwise None (the release
+        goes as its caller said)."""
+        window = self._kvguard_window
+        return None if window is None else self._kvguard_window_free(window, block_ids)
 
     def _kvguard_window_free(self, request_id: str, block_ids: list[int]) -> bool:
         """vLLM frees these blocks of a running request's window (before releasing
@@ -274,7 +299,7 @@ class _GuardMixin:
         blocks are quarantined (an assertion under ``check_invariants``).
         """
         ledger = self._kvguard_ledger
-        carried = self._kvguard_carry.get(request_id)
+        carried = ledger.carried.fills.get(request_id)
         clean = not carried and self._kvguard_reported_clean(request_id)
         freed = set(block_ids)
         in_flight = {b for b in ledger.fills_in_flight(request_id) if b in freed}
@@ -292,19 +317,11 @@ class _GuardMixin:
                 clean = False
             taken, publications = ledger.take_fills(request_id, in_flight)
             if clean:
-                pool.validate_step(taken, publications)
+                pool.validate_fills(taken, publications)
         if carried:
             # Loaded blocks the window drops (quarantined: not clean) are no longer the
             # request's to vouch for.
-            held = self._kvguard_carry_publications
-            for block_id in carried:
-                if block_id in freed:
-                    held.pop(block_id, None)
-            kept = [b for b in carried if b not in freed]
-            if kept:
-                self._kvguard_carry[request_id] = kept
-            else:
-                del self._kvguard_carry[request_id]
+            ledger.carried.drop(request_id, freed)
         return clean
 
     def _kvguard_reported_clean(self, request_id: str) -> bool:
@@ -319,23 +336,13 @@ class _GuardMixin:
     # ------------------------------------------------------------------ schedule
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        pool = self.kvguard_pool
-        if pool.core is None:
-            return super().schedule(*args, **kwargs)  # type: ignore[misc]
-        pool.take_step_fills()  # fills outside schedule() (none expected) are dropped
-        scheduler_output = super().schedule(*args, **kwargs)  # type: ignore[misc]
         # The per-step cost is one record: blocks are marked WRITTEN when vLLM hands
-        # them out and filled blocks were noted by cache_full_blocks while scheduling.
-        fills, publications = pool.take_step_fills()
-        scheduled = scheduler_output.num_scheduled_tokens
-        carry = self._kvguard_carry
-        if carry:
-            held = self._kvguard_carry_publications
-            for req_id in [r for r in carry if r in scheduled]:
-                ids = carry.pop(req_id)
-                fills.setdefault(req_id, []).extend(ids)
-                publications.update((b, held.pop(b)) for b in ids if b in held)
-        self._kvguard_ledger.open(scheduler_output, scheduled, fills, publications)
+        # them out, and the pool notes the blocks vLLM caches while it schedules the
+        # step straight into the step's record.
+        ledger = self._kvguard_ledger
+        ledger.open()
+        scheduler_output = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        ledger.seal(scheduler_output, scheduler_output.num_scheduled_tokens)
         return scheduler_output
 
     def _get_new_block_ids_to_zero(self) -> list[int] | None:
@@ -350,11 +357,8 @@ class _GuardMixin:
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         pool = self.kvguard_pool
-        if pool.core is None:
-            return super().update_from_output(  # type: ignore[misc]
-                scheduler_output, model_runner_output
-            )
-        record = self._kvguard_ledger.close(scheduler_output)
+        ledger = self._kvguard_ledger
+        record = ledger.close(scheduler_output)
         if record is None:
             record = self._kvguard_resync(scheduler_output)
         scheduled = record.scheduled
@@ -405,20 +409,19 @@ class _GuardMixin:
                     # Filled without a step (KV a connector finished loading), or by a
                     # step that came back without a NaN count: the request's next
                     # counted step, computing on it, vouches for it.
-                    self._kvguard_carry_fills(req_id, filled, record.publications)
+                    ledger.carried.add(req_id, filled, record.publications)
                     continue
                 ids += filled
             if ids:
-                pool.validate_step(ids, record.publications)
-        ledger = self._kvguard_ledger
+                pool.validate_fills(ids, record.publications)
         for req_id in suspect:
             # Computed on KV that failed to load: vLLM recomputes or fails the request
             # itself; what this step filled is never trusted.
-            pool.fail_step([*fills.get(req_id, ()), *ledger.later_fills(req_id)])
+            pool.fail_fills([*fills.get(req_id, ()), *ledger.later_fills(req_id)])
         aborted = []
         if failed:
             for req_id in failed:
-                pool.fail_step([*fills.get(req_id, ()), *ledger.later_fills(req_id)])
+                pool.fail_fills([*fills.get(req_id, ()), *ledger.later_fills(req_id)])
             # Finished before vLLM sees the output: its tokens come from NaN logits and
             # are not delivered; everything else in the batch proceeds as usual. Their
             # unvalidated blocks (the partial tail) are quarantined on release.
@@ -430,16 +433,17 @@ class _GuardMixin:
             finally:
                 self._kvguard_failing = {}
             metrics.requests_aborted += len(aborted)
-        pool.settle_fills = self._kvguard_fill_settled
+        # The blocks vLLM caches while it processes the output are validated with it
+        # when every write into them reported clean (the ledger's ``settles``: before
+        # any block is freed, and here), else carried to the request's next step.
         try:
             outputs = super().update_from_output(  # type: ignore[misc]
                 scheduler_output, model_runner_output
             )
         finally:
-            pool.settle_fills = None
-            pool.flush_settled()
-        if pool.has_step_fills():
-            self._kvguard_carry_late_fills()
+            pool.validate_settled()
+        if ledger.noted.fills:
+            self._kvguard_carry_late_fills(ledger.take_noted())
         for request in aborted:
             eco = outputs.get(request.client_index)
             if eco is None:
@@ -477,7 +481,7 @@ class _GuardMixin:
                 self._kvguard_unchecked.add(req_id)
                 filled = step.fills.get(req_id)
                 if filled:
-                    self._kvguard_carry_fills(req_id, filled, step.publications)
+                    ledger.carried.add(req_id, filled, step.publications)
         if lost:
             self.kvguard_metrics.steps_lost += len(lost)
             logger.warning(
@@ -508,7 +512,9 @@ class _GuardMixin:
         were counted clean (a failing request was finished before vLLM processes the
         output, and vLLM caches for running ones only). What reported is counted from
         kvguard's ledger."""
-        if request_id in self._kvguard_unchecked or request_id in self._kvguard_carry:
+        if request_id in self._kvguard_unchecked:
+            return False
+        if request_id in self._kvguard_ledger.carried.fills:
             return False
         return num_tokens <= self._kvguard_reported_tokens(request_id)
 
@@ -521,26 +527,16 @@ class _GuardMixin:
             return -1
         return int(request.num_computed_tokens) - self._kvguard_ledger.tokens_in_flight(request_id)
 
-    def _kvguard_carry_late_fills(self) -> None:
+    def _kvguard_carry_late_fills(self, late: HeldFills) -> None:
         """Blocks cached while an output was processed that could not be validated
         then (the request's last step had no NaN count, or it holds unvouched loaded
         KV): the request's next counted step vouches for them, as for a connector's
         loads. A request that left already released them (quarantined)."""
-        fills, publications = self.kvguard_pool.take_step_fills()
-        for req_id, ids in fills.items():
+        carried = self._kvguard_ledger.carried
+        for req_id, ids in late.fills.items():
             request = self.requests.get(req_id)
             if request is not None and not request.is_finished():
-                self._kvguard_carry_fills(req_id, ids, publications)
-
-    def _kvguard_carry_fills(
-        self, req_id: str, block_ids: list[int], publications: Mapping[int, PendingPublication]
-    ) -> None:
-        """Blocks filled that no counted step vouched for yet, and the publications
-        held for them: the request's next scheduled step takes them over."""
-        self._kvguard_carry.setdefault(req_id, []).extend(block_ids)
-        self._kvguard_carry_publications.update(
-            (b, publications[b]) for b in block_ids if b in publications
-        )
+                carried.add(req_id, ids, late.publications)
 
     # ------------------------------------------------------------------ release
 
@@ -555,12 +551,6 @@ class _GuardMixin:
         quarantines them (zeroed before reuse). Every in-flight step forgets it.
         """
         req_id = request.request_id
-        carried = self._kvguard_carry.pop(req_id, None)
-        if carried:
-            for block_id in carried:
-                self._kvguard_carry_publications.pop(block_id, None)
-        if self.kvguard_pool.core is None:
-            return
         ledger = self._kvguard_ledger
         unchecked = self._kvguard_unchecked
         if unchecked and req_id in unchecked:
@@ -577,20 +567,24 @@ class _GuardMixin:
         # before a connector let their blocks go).
         if not request.is_finished():
             self._kvguard_settle(request)
+        req_id = request.request_id
         clean = self._kvguard_clean
-        if request.request_id not in clean:
+        if req_id not in clean:
             super()._free_request_blocks(request)  # type: ignore[misc]
             return
-        clean.discard(request.request_id)
-        # Blocks vLLM parks until a step still in flight is done (defer_block_free)
-        # are released later, without this flag: quarantined, the safe side. A
-        # request with no step in flight is never parked.
-        pool = self.kvguard_pool
-        pool.freeing_clean_request = True
-        try:
+        clean.discard(req_id)
+        if not self._request_blocks_can_be_freed(request):  # type: ignore[attr-defined]
+            # vLLM parks the blocks until a step still in flight is done
+            # (defer_block_free) and releases them later as it releases any block:
+            # quarantined, the safe side. (A request with no step in flight is never
+            # parked.)
             super()._free_request_blocks(request)  # type: ignore[misc]
-        finally:
-            pool.freeing_clean_request = False
+            return
+        # vLLM's KVCacheManager.free(request) -- each group's blocks, tail first --
+        # saying how the release goes: the request's last step was clean.
+        pool = self.kvguard_pool
+        for manager in self.kv_cache_manager.coordinator.single_type_managers:
+            pool.free_blocks(reversed(manager.pop_blocks_for_free(req_id)), steps_passed=True)
 
     def _free_request(self, request: Any, delay_free_blocks: bool = False) -> Any:
         self._kvguard_settle(request)
@@ -611,30 +605,26 @@ class _GuardMixin:
     def kvguard_stats(self) -> dict[str, int]:
         """The guard's counters: the adapter's plus kvguard's pool counters."""
         out = self.kvguard_metrics.as_dict()
-        core = self.kvguard_pool.core
-        if core is not None:
-            counters = core.counters()  # (stats() would walk every block, every step)
-            out["blocks_quarantined"] = counters.blocks_quarantined
-            out["withheld_publications"] = counters.withheld_publications
-            out["dropped_acks"] = counters.dropped_acks
-            out["blocks_published"] = counters.blocks_published
-            out["stores_started"] = counters.stores_started
-            out["stores_acknowledged"] = counters.stores_acknowledged
+        counters = self.kvguard_pool.core.counters()  # (stats() would walk every block)
+        out["blocks_quarantined"] = counters.blocks_quarantined
+        out["withheld_publications"] = counters.withheld_publications
+        out["dropped_acks"] = counters.dropped_acks
+        out["blocks_published"] = counters.blocks_published
+        out["stores_started"] = counters.stores_started
+        out["stores_acknowledged"] = counters.stores_acknowledged
         out.update(connector_counters(self) or {})
         return out
 
 
-_VLLM_HOOKS = tuple(
-    name
-    for name, value in vars(_GuardMixin).items()
-    if callable(value) and not name.startswith("__") and hasattr(Scheduler, name)
-)
-"""vLLM ``Scheduler`` methods the guard overrides (vLLM's own in pass-through mode)."""
-
-
 class GuardedScheduler(_GuardMixin, Scheduler):
-    """vLLM's synchronous ``Scheduler`` with kvguard's validation gate."""
+    """vLLM's synchronous ``Scheduler`` with kvguard's validation gate (with the guard
+    off, building one builds vLLM's ``Scheduler``)."""
+
+    _vllm_scheduler = Scheduler
 
 
 class GuardedAsyncScheduler(_GuardMixin, AsyncScheduler):
-    """vLLM's ``AsyncScheduler`` with kvguard's validation gate."""
+    """vLLM's ``AsyncScheduler`` with kvguard's validation gate (with the guard off,
+    building one builds vLLM's ``AsyncScheduler``)."""
+
+    _vllm_scheduler = AsyncScheduler

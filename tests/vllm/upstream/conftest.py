@@ -1,51 +1,33 @@
-"""vLLM 0.33's own KV-cache tests, run on kvguard's pass-through pool.
+"""vLLM 0.33's own KV-cache tests, vendored unmodified (see each file's header).
 
 The modules here are vLLM's unit tests for ``BlockPool``, ``KVCacheManager`` and the
-single-type managers, vendored unmodified (see each file's header). The autouse
-fixture :func:`_pool` runs every one of them twice:
-
-* ``stock``: on vLLM's own ``vllm.v1.core.block_pool.BlockPool`` (the control);
-* ``kvguard-passthrough``: every ``BlockPool(...)`` the test builds, directly or through
-  ``KVCacheManager`` (``KVCacheCoordinator.__init__``) or a ``Scheduler``, is a
-  :class:`~kvguard.adapters.vllm.GuardedBlockPool` with ``GuardConfig(enabled=False)``.
-
-Both runs must pass, with the same skip list (:data:`SKIPPED`, applied by test name
-whatever the pool). The fixture also checks that the patch reached every pool: a test
-on ``kvguard-passthrough`` that builds a stock ``BlockPool`` fails, as does a ``stock``
-test that builds a ``GuardedBlockPool``. Subclasses vLLM builds for other purposes
-(HiSparse's ``SharedEventQueueBlockPool`` host pool) are left as they are.
+single-type managers. They used to run a second time on kvguard's pass-through pool;
+pass-through is now vLLM's own ``BlockPool`` (kvguard builds nothing with the guard off,
+see tests/vllm/test_pass_through.py), so they run once, on vLLM's pool: the control for
+the installed vLLM, with the skip list :data:`SKIPPED` (by test name).
 
 Run: ``HF_HUB_OFFLINE=1 VLLM_TARGET_DEVICE=cpu python -m pytest tests/vllm/upstream``.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Iterator
-from typing import Any
-
 import pytest
 
 pytest.importorskip("vllm")
 
 import vllm
-import vllm.v1.core.block_pool as vllm_block_pool
-import vllm.v1.core.kv_cache_coordinator as vllm_coordinator
 
-from kvguard.adapters.vllm import GuardConfig, GuardedBlockPool
 from kvguard.adapters.vllm._compat import series_of
-
-StockBlockPool: Any = vllm_block_pool.BlockPool
 
 _HERE = "tests/vllm/upstream/"
 
 _REPO_HELPERS = (
     "imports a helper from vLLM's repository test tree that is not vendored here "
-    "({}), so it cannot be imported in either run"
+    "({}), so it cannot be imported"
 )
 
 SKIPPED: dict[str, str] = {
-    # module::test (all its parametrizations, on both pools) -> why it is skipped
+    # module::test (all its parametrizations) -> why it is skipped
     "test_prefix_caching.py::test_nixl_hisparse_full_block_import_keeps_a_writable_tail": (
         _REPO_HELPERS.format(
             "tests.v1.kv_connector.unit.utils.create_vllm_config, which also builds a "
@@ -76,9 +58,6 @@ OTHER_SERIES = (
     "vLLM's stock pool too. The adapter suite (tests/vllm) covers {installed}."
 )
 
-POOLS = ("stock", "kvguard-passthrough")
-PASS_THROUGH = GuardConfig(enabled=False)
-
 
 def pytest_configure(config: pytest.Config) -> None:
     # Markers of vLLM's own test suite (registered by its pyproject.toml).
@@ -106,36 +85,3 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             reason = SKIPPED.get(_key(item))
         if reason is not None:
             item.add_marker(pytest.mark.skip(reason=reason))
-
-
-@pytest.fixture(autouse=True, params=POOLS)
-def _pool(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """Which pool the test's ``BlockPool(...)`` / ``KVCacheManager(...)`` builds."""
-    mode: str = request.param
-    built: list[Any] = []  # every BlockPool (or subclass) the test builds
-    stock_init = StockBlockPool.__init__
-
-    @functools.wraps(stock_init)
-    def recording_init(self: Any, *args: Any, **kwargs: Any) -> None:
-        built.append(self)
-        stock_init(self, *args, **kwargs)
-
-    monkeypatch.setattr(StockBlockPool, "__init__", recording_init)
-    if mode == "kvguard-passthrough":
-        # The names the test modules and vLLM's code construct the pool by. Called as
-        # vLLM calls BlockPool (no ``guard`` argument), GuardedBlockPool is pass-through.
-        monkeypatch.setattr(vllm_block_pool, "BlockPool", GuardedBlockPool)
-        monkeypatch.setattr(vllm_coordinator, "BlockPool", GuardedBlockPool)
-        if getattr(request.module, "BlockPool", None) is StockBlockPool:
-            monkeypatch.setattr(request.module, "BlockPool", GuardedBlockPool)
-    yield mode
-    if mode == "kvguard-passthrough":
-        stray = [p for p in built if type(p) is StockBlockPool]
-        assert not stray, f"the test built {len(stray)} stock BlockPool(s): patch incomplete"
-        guarded = [p for p in built if isinstance(p, GuardedBlockPool)]
-        assert all(p.core is None and p.guard == PASS_THROUGH for p in guarded), (
-            "a GuardedBlockPool was built in guarded mode"
-        )
-    else:
-        guarded = [p for p in built if isinstance(p, GuardedBlockPool)]
-        assert not guarded, f"the stock run built {len(guarded)} GuardedBlockPool(s)"
