@@ -890,7 +890,8 @@ def test_each_twin_agrees_with_its_primitive(
     same or raise the same, and leave the kernels equal (``Pair.run`` compares)."""
     pair = pair_of(8, record_events=record_events)
     for name, args in _primitive_cases(pair):
-        pair.run(
-            f"kernel.{name}{args!r}",
-            lambda pool, name=name, args=args: getattr(pool._kernel, name)(*args),
-        )
+
+        def primitive(pool: BlockPool, name: str = name, args: tuple[Any, ...] = args) -> object:
+            return getattr(pool._kernel, name)(*args)
+
+        pair.run(f"kernel.{name}{args!r}", primitive)
