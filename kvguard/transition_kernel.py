@@ -43,6 +43,7 @@ calling the Python primitive here -- the reference, which names every error.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Mapping, Sequence
 
 from kvguard.block import Block, PendingPublication
@@ -150,9 +151,10 @@ class TransitionKernel:
         self.enable_caching = enable_caching
         self.zero_policy = zero_policy
         self.record_events = record_events
-        self.blocks = [block_type(i) for i in range(num_blocks)]
+        self.blocks = _build_records(block_type, num_blocks)
+        ids = [block.block_id for block in self.blocks]
         self.free = FreeQueue()
-        self.free.push_all_empty([block.block_id for block in self.blocks])
+        self.free.push_all_empty(ids)
         self.index: dict[BlockHash, int] = {}
         # Hashes invalidated, and hashes of blocks chained on them, since last published
         # afresh: a publication whose parent is here descends from corrupt KV (see
@@ -835,6 +837,20 @@ class TransitionKernel:
         slots = SlotRange(block_id, lo, hi)
         self.zero.add_slots((slots,))
         return slots
+
+
+def _build_records(block_type: type[Block], num_blocks: int) -> list[Block]:
+    """One record per block id. The cyclic garbage collector pauses meanwhile: a large
+    pool's records would trigger a dozen full collections, each walking every object of
+    the process, for records that hold no cycle (1,000,000 blocks: 0.4 s instead of
+    2-4 s)."""
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        return list(map(block_type, range(num_blocks)))
+    finally:
+        if paused:
+            gc.enable()
 
 
 def _count(block_ids: list[int]) -> dict[int, int]:
