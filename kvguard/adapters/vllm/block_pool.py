@@ -236,7 +236,7 @@ class GuardedBlockPool(BlockPool):
         events = self.enable_kv_cache_events
         filled: list[int] = []
         ledger = self.ledger
-        publications = ledger.note_publications()
+        publications = ledger.noting
         notes = self._fill_notes
         if not (
             notes is not None

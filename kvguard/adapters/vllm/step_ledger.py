@@ -93,11 +93,15 @@ block index, block size, KV cache group)."""
 
 
 class StepLedger:
+    """Every publication held back (see the module docstring), written by the guarded
+    pool (:meth:`note`, :attr:`events`) and driven by the guarded scheduler."""
+
     __slots__ = (
         "_steps",
         "carried",
         "events",
         "noted",
+        "noting",
         "scheduling",
         "settled",
         "settled_publications",
@@ -116,6 +120,9 @@ class StepLedger:
         self.settled: list[int] = []
         self.settled_publications: dict[int, PendingPublication] = {}
         self.noted = HeldFills()
+        self.noting = self.noted.publications
+        """Where the pool puts the publications of the blocks it notes now: the step
+        being scheduled's, else the noted ones'."""
         self.carried = HeldFills()
         self.events: dict[int, BlockStoredArgs] = {}
 
@@ -124,14 +131,9 @@ class StepLedger:
 
     # ------------------------------------------------------------------ noting
 
-    def note_publications(self) -> dict[int, PendingPublication]:
-        """Where the pool puts the publications of the blocks it is noting now."""
-        step = self.scheduling
-        return step.publications if step is not None else self.noted.publications
-
     def note(self, request_id: str, block_ids: list[int], num_tokens: int) -> None:
         """vLLM cached ``block_ids`` of the request, covering its first ``num_tokens``
-        tokens; their publications are in :meth:`note_publications` already."""
+        tokens; their publications are in :attr:`noting` already."""
         step = self.scheduling
         if step is not None:
             step.fills.setdefault(request_id, []).extend(block_ids)
@@ -155,6 +157,8 @@ class StepLedger:
     def take_noted(self) -> HeldFills:
         noted = self.noted
         self.noted = HeldFills()
+        if self.scheduling is None:
+            self.noting = self.noted.publications
         return noted
 
     # ------------------------------------------------------------------ steps
@@ -165,7 +169,8 @@ class StepLedger:
         dropped.)"""
         if self.noted.fills or self.noted.publications:
             self.noted = HeldFills()
-        self.scheduling = StepRecord(None, {})
+        self.scheduling = step = StepRecord(None, {})
+        self.noting = step.publications
 
     def seal(self, token: object, scheduled: Mapping[str, int]) -> StepRecord:
         """The step is scheduled (``token``: its SchedulerOutput): it goes in flight,
@@ -173,6 +178,7 @@ class StepLedger:
         record = self.scheduling
         assert record is not None, "seal() without open()"
         self.scheduling = None
+        self.noting = self.noted.publications
         record.token = token
         record.scheduled = scheduled
         carried = self.carried
@@ -267,7 +273,8 @@ class StepLedger:
     def forget(self, request_id: str) -> None:
         """The request leaves (finished or preempted): no step in flight validates
         anything for it, and what it carried is no longer its to vouch for."""
-        self.carried.drop(request_id)
+        if self.carried.fills:
+            self.carried.drop(request_id)
         for record in self._steps:
             if request_id in record.scheduled or request_id in record.fills:
                 record.fills.pop(request_id, None)
