@@ -43,6 +43,10 @@ typedef struct {
     PyObject *zero_blocks;             /* the zero queue's dict of block ids */
     PyObject *tainted;                 /* the pool's set of tainted hashes */
     PyObject *events;                  /* the event log (a list), or None: not recorded */
+    /* The kernel's side tables (dicts keyed by block id; an absent id has none):
+     * block-level writers in flight, deferred publications, retention classes != 0. */
+    PyObject *writers_map, *pending_map, *retention_map;
+    PyObject *zero_int, *one_int;      /* 0 and 1 */
     /* The Python primitives these twins stand for: each twin calls its own when it
      * declines (having changed nothing), and release_held hands the blocks it does not
      * settle itself to settle_released. Set by fallbacks(). */
@@ -50,9 +54,9 @@ typedef struct {
     int zero_all;                      /* zero_policy ALL: every allocation queues zeroing */
     int zero_suspect;                  /* zero_policy SUSPECT: reused quarantined blocks do */
     Py_ssize_t off_block_id, off_state, off_ref_cnt, off_block_hash, off_parent_hash,
-        off_generation, off_external_refs, off_writers, off_pending, off_size, off_first,
+        off_generation, off_external_refs, off_size, off_first,
         off_num_evictable, off_evictable, off_blocks_evicted, off_blocks_zeroed, off_blocks_quarantined,
-        off_blocks_published, off_withheld_publications, off_retention;
+        off_blocks_published, off_withheld_publications;
 } FastPath;
 
 #define FIELD(obj, off) (*(PyObject **)((char *)(obj) + (off)))
@@ -69,6 +73,26 @@ decline(PyObject *primitive, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     return PyObject_Vectorcall(primitive, args, nargs, NULL);
+}
+
+/* Remove `key` from a side table if it is there. */
+static int
+forget(PyObject *map, PyObject *key)
+{
+    int has = PyDict_Contains(map, key);
+    if (has <= 0)
+        return has;
+    return PyDict_DelItem(map, key);
+}
+
+/* A block's retention class (borrowed): the retention map's, else 0. */
+static PyObject *
+retention_of(FastPath *self, PyObject *id_obj)
+{
+    PyObject *retention = PyDict_GetItemWithError(self->retention_map, id_obj);
+    if (retention == NULL && !PyErr_Occurred())
+        retention = self->zero_int;
+    return retention;
 }
 
 /* Replace a slot's value (a new reference is taken on v). */
@@ -212,6 +236,11 @@ FastPath_dealloc(FastPath *self)
     Py_CLEAR(self->py_release_held);
     Py_CLEAR(self->py_validate_held);
     Py_CLEAR(self->settle_released);
+    Py_CLEAR(self->writers_map);
+    Py_CLEAR(self->pending_map);
+    Py_CLEAR(self->retention_map);
+    Py_CLEAR(self->zero_int);
+    Py_CLEAR(self->one_int);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -237,6 +266,9 @@ FastPath_traverse(FastPath *self, visitproc visit, void *arg)
     Py_VISIT(self->py_release_held);
     Py_VISIT(self->py_validate_held);
     Py_VISIT(self->settle_released);
+    Py_VISIT(self->writers_map);
+    Py_VISIT(self->pending_map);
+    Py_VISIT(self->retention_map);
     return 0;
 }
 
@@ -257,6 +289,9 @@ FastPath_clear(FastPath *self)
     Py_CLEAR(self->py_release_held);
     Py_CLEAR(self->py_validate_held);
     Py_CLEAR(self->settle_released);
+    Py_CLEAR(self->writers_map);
+    Py_CLEAR(self->pending_map);
+    Py_CLEAR(self->retention_map);
     return 0;
 }
 
@@ -268,19 +303,22 @@ FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
                              "free", "validated", "published", "quarantined_state",
                              "stays_cached", "acquirable",
                              "evict_to", "counters", "block_removed", "zero_blocks",
-                             "tainted", "events", "zero_all", "zero_suspect", NULL};
+                             "tainted", "events", "writers", "deferred", "retention",
+                             "zero_all", "zero_suspect", NULL};
     PyObject *block_type, *blocks, *free_queue, *empty, *quarantined, *index;
     PyObject *st[7], *stays_cached, *acquirable, *evict_to, *counters, *block_removed;
-    PyObject *zero_blocks, *tainted, *events;
+    PyObject *zero_blocks, *tainted, *events, *writers_map, *pending_map, *retention_map;
     int zero_all, zero_suspect;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!OO!O!O!OOOOOOOO!O!O!OOO!O!Opp", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!OO!O!O!OOOOOOOO!O!O!OOO!O!OO!O!O!pp", kwlist,
                                      &PyType_Type, &block_type, &PyList_Type, &blocks,
                                      &free_queue, &PyList_Type, &empty, &PyList_Type,
                                      &quarantined, &PyDict_Type, &index, &st[0], &st[1], &st[2],
                                      &st[3], &st[4], &st[5], &st[6], &PyTuple_Type, &stays_cached,
                                      &PyTuple_Type, &acquirable, &PyDict_Type, &evict_to,
                                      &counters, &block_removed, &PyDict_Type, &zero_blocks,
-                                     &PySet_Type, &tainted, &events, &zero_all, &zero_suspect))
+                                     &PySet_Type, &tainted, &events, &PyDict_Type,
+                                     &writers_map, &PyDict_Type, &pending_map, &PyDict_Type,
+                                     &retention_map, &zero_all, &zero_suspect))
         return -1;
     if (events != Py_None && !PyList_CheckExact(events)) {
         PyErr_SetString(PyExc_TypeError, "FastPath: events must be a list or None");
@@ -308,11 +346,7 @@ FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
     OFF(parent_hash)
     OFF(generation)
     OFF(external_refs)
-    OFF(writers)
-    OFF(retention)
 #undef OFF
-    if ((self->off_pending = slot_offset(block_type, "pending_publication")) < 0)
-        return -1;
     PyObject *queue_type = (PyObject *)Py_TYPE(free_queue);
     PyObject *counters_type = (PyObject *)Py_TYPE(counters);
     if ((self->off_size = slot_offset(queue_type, "size")) < 0 ||
@@ -354,7 +388,14 @@ FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
     KEEP(zero_blocks, zero_blocks)
     KEEP(tainted, tainted)
     KEEP(events, events)
+    KEEP(writers_map, writers_map)
+    KEEP(pending_map, pending_map)
+    KEEP(retention_map, retention_map)
 #undef KEEP
+    Py_XSETREF(self->zero_int, PyLong_FromLong(0));
+    Py_XSETREF(self->one_int, PyLong_FromLong(1));
+    if (self->zero_int == NULL || self->one_int == NULL)
+        return -1;
     self->zero_all = zero_all;
     self->zero_suspect = zero_suspect;
     return 0;
@@ -550,7 +591,6 @@ FastPath_allocate(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
         goto error;
     PyObject *one = PyLong_FromLong(1), *zero = PyLong_FromLong(0);
     PyObject *state = write ? self->st_written_from_allocated : self->st_allocated;
-    PyObject *writers = write ? one : zero;
     int failed = 0;
     for (Py_ssize_t k = 0; k < n && !failed; k++) {
         PyObject *block = block_of(self, PyList_GET_ITEM(ids, k));
@@ -562,7 +602,11 @@ FastPath_allocate(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
         set_field(block, self->off_state, state);
         set_field(block, self->off_ref_cnt, one);
         set_field(block, self->off_external_refs, held ? one : zero);
-        set_field(block, self->off_writers, writers);
+        /* (a block in the free queue has no writer: only a written one gets one) */
+        if (write && PyDict_SetItem(self->writers_map, PyList_GET_ITEM(ids, k), one) < 0) {
+            failed = 1;
+            break;
+        }
         failed = add_to_field(block, self->off_generation, generation, 1) < 0;
     }
     Py_DECREF(one);
@@ -586,7 +630,9 @@ enqueue_evictable(FastPath *self, PyObject *blocks)
     PyObject *key = NULL, *bucket = NULL;
     for (Py_ssize_t k = 0; k < n; k++) {
         PyObject *block = PyList_GET_ITEM(blocks, k);
-        PyObject *retention = FIELD(block, self->off_retention);
+        PyObject *retention = retention_of(self, FIELD(block, self->off_block_id));
+        if (retention == NULL)
+            goto error;
         int same = 0;
         if (key != NULL) {
             same = PyObject_RichCompareBool(retention, key, Py_EQ);
@@ -668,11 +714,16 @@ FastPath_release(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
         if (ref_cnt == 1) {
             PyObject *state = FIELD(block, self->off_state);
             PyObject *into;
+            int deferred = 0;
+            if (steps_passed && state == self->st_written) {
+                deferred = PyDict_Contains(self->pending_map, FIELD(block, self->off_block_id));
+                if (deferred < 0)
+                    goto error;
+            }
             if (in_tuple(self->stays_cached, state))
                 into = cached;
             else if (state == self->st_allocated ||
-                     (steps_passed && state == self->st_written &&
-                      FIELD(block, self->off_pending) == Py_None))
+                     (steps_passed && state == self->st_written && !deferred))
                 into = freed;
             else if ((!steps_passed && state == self->st_written) ||
                      state == self->st_quarantined)
@@ -702,18 +753,15 @@ FastPath_release(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
      * FREE (the Python side checks at import that the table agrees). */
     Py_ssize_t num_freed = PyList_GET_SIZE(freed);
     if (num_freed) {
-        PyObject *zero = PyLong_FromLong(0);
         for (Py_ssize_t k = 0; k < num_freed; k++) {
             PyObject *block = PyList_GET_ITEM(freed, k);
+            PyObject *id_obj = FIELD(block, self->off_block_id);
             set_field(block, self->off_state, self->st_free);
-            set_field(block, self->off_writers, zero);
-            set_field(block, self->off_pending, Py_None);
-            if (PyList_Append(self->empty, FIELD(block, self->off_block_id)) < 0) {
-                Py_DECREF(zero);
+            if (forget(self->writers_map, id_obj) < 0 ||
+                forget(self->pending_map, id_obj) < 0 || /* dies with the last holder */
+                PyList_Append(self->empty, id_obj) < 0)
                 goto error;
-            }
         }
-        Py_DECREF(zero);
         if (bump_field(self->free_queue, self->off_size, num_freed) < 0)
             goto error;
     }
@@ -722,31 +770,29 @@ FastPath_release(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
      * blocks reused first, in release order (PoolCore._drop_last_refs). */
     Py_ssize_t num_quarantined = PyList_GET_SIZE(quarantined);
     if (num_quarantined) {
-        PyObject *zero = PyLong_FromLong(0);
         long generation, newly = 0;
         for (Py_ssize_t k = 0; k < num_quarantined; k++) {
             PyObject *block = PyList_GET_ITEM(quarantined, k);
-            set_field(block, self->off_pending, Py_None);
+            PyObject *id_obj = FIELD(block, self->off_block_id);
+            if (forget(self->pending_map, id_obj) < 0)
+                goto error;
             if (FIELD(block, self->off_state) == self->st_written) {
                 set_field(block, self->off_state, self->st_quarantined);
                 set_field(block, self->off_block_hash, Py_None);
                 set_field(block, self->off_parent_hash, Py_None);
-                set_field(block, self->off_writers, zero);
+                if (forget(self->writers_map, id_obj) < 0)
+                    goto error;
                 if (!get_long(block, self->off_generation, &generation) ||
                     add_to_field(block, self->off_generation, generation, 1) < 0) {
                     if (!PyErr_Occurred())
                         PyErr_SetString(PyExc_RuntimeError, "kvguard: a generation is not an int");
-                    Py_DECREF(zero);
                     goto error;
                 }
                 newly++;
             }
-            if (PyList_Append(self->quarantined, FIELD(block, self->off_block_id)) < 0) {
-                Py_DECREF(zero);
+            if (PyList_Append(self->quarantined, id_obj) < 0)
                 goto error;
-            }
         }
-        Py_DECREF(zero);
         if (bump_field(self->free_queue, self->off_size, num_quarantined) < 0 ||
             (newly && bump_field(self->counters, self->off_blocks_quarantined, newly) < 0))
             goto error;
@@ -795,16 +841,23 @@ FastPath_validate(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
         (publish != Py_None && !PyDict_CheckExact(publish)))
         DECLINE(py_validate_held);
     Py_ssize_t n = PyList_GET_SIZE(ids);
-    PyObject *zero = PyLong_FromLong(0), *one = PyLong_FromLong(1);
-    /* Checking pass: a block counted here has its writers set to 0, so that an id
-     * named twice fails the check; on failure they are set back. */
+    /* Checking pass: a block counted here loses its one writer, so that an id named
+     * twice fails the check; on failure the writers are given back. */
     Py_ssize_t checked = 0;
-    long writers;
     for (; checked < n; checked++) {
-        PyObject *block = block_of(self, PyList_GET_ITEM(ids, checked));
-        if (block == NULL || FIELD(block, self->off_state) != self->st_written ||
-            !get_long(block, self->off_writers, &writers) || writers != 1)
+        PyObject *id_obj = PyList_GET_ITEM(ids, checked);
+        PyObject *block = block_of(self, id_obj);
+        if (block == NULL || FIELD(block, self->off_state) != self->st_written)
             break;
+        PyObject *writers = PyDict_GetItemWithError(self->writers_map, id_obj);
+        if (writers == NULL) {
+            PyErr_Clear();
+            break;
+        }
+        if (!PyLong_CheckExact(writers) || PyLong_AsLong(writers) != 1) {
+            PyErr_Clear();
+            break;
+        }
         PyObject *pending = NULL;
         if (publish != Py_None) {
             pending = PyDict_GetItemWithError(publish, PyList_GET_ITEM(ids, checked));
@@ -814,9 +867,12 @@ FastPath_validate(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
                 pending = NULL; /* publish.get() gives None: no publication held */
         }
         if (pending == NULL) {
-            pending = FIELD(block, self->off_pending);
-            if (pending == NULL)
-                break;
+            pending = PyDict_GetItemWithError(self->pending_map, id_obj);
+            if (pending == NULL) {
+                if (PyErr_Occurred())
+                    break;
+                pending = Py_None;
+            }
         }
         if (pending != Py_None &&
             (!PyTuple_CheckExact(pending) || PyTuple_GET_SIZE(pending) != 3 ||
@@ -834,17 +890,16 @@ FastPath_validate(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
                 break;
             }
         }
-        set_field(block, self->off_writers, zero);
+        if (PyDict_DelItem(self->writers_map, id_obj) < 0)
+            break;
     }
     if (checked != n) {
+        PyErr_Clear();
         for (Py_ssize_t k = 0; k < checked; k++)
-            set_field(block_of(self, PyList_GET_ITEM(ids, k)), self->off_writers, one);
-        Py_DECREF(zero);
-        Py_DECREF(one);
+            if (PyDict_SetItem(self->writers_map, PyList_GET_ITEM(ids, k), self->one_int) < 0)
+                return NULL;
         DECLINE(py_validate_held);
     }
-    Py_DECREF(zero);
-    Py_DECREF(one);
     PyObject *published = PyList_New(0), *duplicates = PyList_New(0);
     if (published == NULL || duplicates == NULL)
         goto error;
@@ -852,7 +907,7 @@ FastPath_validate(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
     for (Py_ssize_t k = 0; k < n; k++) {
         PyObject *id_obj = PyList_GET_ITEM(ids, k);
         PyObject *block = block_of(self, id_obj);
-        set_field(block, self->off_state, self->st_validated); /* writers: 0 above */
+        set_field(block, self->off_state, self->st_validated); /* writers: gone above */
         PyObject *pending = NULL;
         if (publish != Py_None) {
             pending = PyDict_GetItemWithError(publish, id_obj);
@@ -862,15 +917,21 @@ FastPath_validate(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
                 pending = NULL;
         }
         if (pending == NULL) {
-            pending = FIELD(block, self->off_pending);
-            if (pending == Py_None)
+            pending = PyDict_GetItemWithError(self->pending_map, id_obj);
+            if (pending == NULL) {
+                if (PyErr_Occurred())
+                    goto error;
                 continue;
+            }
         }
         else {
             held++;
         }
         Py_INCREF(pending);
-        set_field(block, self->off_pending, Py_None);
+        if (forget(self->pending_map, id_obj) < 0) {
+            Py_DECREF(pending);
+            goto error;
+        }
         PyObject *block_hash = PyTuple_GET_ITEM(pending, 0);
         set_field(block, self->off_block_hash, block_hash);
         set_field(block, self->off_parent_hash, PyTuple_GET_ITEM(pending, 1));
@@ -912,7 +973,7 @@ static int
 take_out_of_eviction(FastPath *self, PyObject *block)
 {
     PyObject *classes = FIELD(self->free_queue, self->off_evictable);
-    PyObject *retention = FIELD(block, self->off_retention);
+    PyObject *retention = retention_of(self, FIELD(block, self->off_block_id));
     if (classes == NULL || retention == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "kvguard: free queue without eviction classes");
         return -1;

@@ -33,6 +33,9 @@ class FastPath:
         zero_blocks: dict[int, None],
         tainted: set[BlockHash],
         events: list[PoolEvent] | None,
+        writers: dict[int, int],
+        deferred: dict[int, PendingPublication],
+        retention: dict[int, int],
         zero_all: bool,
         zero_suspect: bool,
     ) -> None: ...

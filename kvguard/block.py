@@ -23,15 +23,11 @@ class Block:
     """Hash of the previous block of the same prefix, for taint propagation."""
     generation: int = 0
     """Bumped whenever the bytes stop being the ones a store ticket copied."""
-    retention: int = 0
-    """Eviction priority of a cached block: lower retention is evicted first."""
     external_refs: int = 0
     """References held through the block-level API (allocate_blocks/acquire_blocks)."""
-    writers: int = 0
-    """Block-level steps in flight that write into it (``write_blocks``); 0 otherwise."""
-    pending_publication: PendingPublication | None = None
-    """(hash, parent hash, owner) to publish under once its writers validated
-    (``publish_block`` on a block still being written)."""
+    # A block's retention class, its block-level writers in flight and its deferred
+    # publication live in the transition kernel's side tables: most blocks have none,
+    # and a record with fewer fields costs no more than vLLM's KVCacheBlock.
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,12 +47,12 @@ class BlockInfo:
         return self.state is BlockState.QUARANTINED
 
     @classmethod
-    def of(cls, block: Block) -> BlockInfo:
+    def of(cls, block: Block, retention: int = 0) -> BlockInfo:
         return cls(
             block.block_id,
             block.state,
             block.ref_cnt,
             block.block_hash,
             block.generation,
-            block.retention,
+            retention,
         )

@@ -24,7 +24,7 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvguard.block import Block
+from kvguard.block import Block, PendingPublication
 from kvguard.events import BlockRemoved, PoolEvent
 from kvguard.free_queue import FreeQueue
 from kvguard.hashing import BlockHash
@@ -67,6 +67,9 @@ def fast_path(
     zero_blocks: dict[int, None],
     tainted: set[BlockHash],
     events: list[PoolEvent] | None,
+    writers: dict[int, int],
+    deferred: dict[int, PendingPublication],
+    retention: dict[int, int],
     zero_all: bool,
     zero_suspect: bool,
 ) -> FastPath | None:
@@ -82,7 +85,8 @@ def fast_path(
     quarantined blocks join it, bumping ``counters.blocks_zeroed``; ``zero_all``: every
     allocation takes the Python path). A validation publishing a hash that is in
     ``tainted`` (the pool's set), or chained on one, takes the Python path.
-    ``events`` is the kernel's event log, or None while events are not recorded.
+    ``events`` is the kernel's event log, or None while events are not recorded;
+    ``writers``, ``deferred`` and ``retention`` are its side tables.
     """
     if not available():
         return None
@@ -108,6 +112,9 @@ def fast_path(
         zero_blocks,
         tainted,
         events,
+        writers,
+        deferred,
+        retention,
         zero_all,
         zero_suspect,
     )

@@ -31,9 +31,11 @@ class FreeQueue:
     through ``first``/:meth:`eviction_class`/:meth:`drop_eviction_class`, and keep
     ``size`` and ``num_evictable`` in step. Everyone else reads them at most."""
 
-    __slots__ = ("empty", "evictable", "first", "num_evictable", "quarantined", "size")
+    __slots__ = ("empty", "evictable", "first", "num_evictable", "quarantined", "retention", "size")
 
-    def __init__(self) -> None:
+    def __init__(self, retention: dict[int, int] | None = None) -> None:
+        self.retention: dict[int, int] = {} if retention is None else retention
+        """Block id -> retention class where not 0 (the kernel's map, read here)."""
         self.quarantined: list[int] = []
         self.empty: list[int] = []
         # retention -> block ids in release order (oldest first).
@@ -89,11 +91,16 @@ class FreeQueue:
 
     def push_evictable(self, blocks: list[Block]) -> None:
         """Enqueue cached blocks, ``blocks[0]`` to be evicted first (batched :meth:`push`)."""
-        key = blocks[0].retention
+        classes = self.retention
+        if not classes:  # the usual case: every block in class 0
+            self.push_evictable_ids(0, [block.block_id for block in blocks])
+            return
+        key = classes.get(blocks[0].block_id, 0)
         bucket = self.eviction_class(key)
         for block in blocks:
-            if block.retention != key:
-                key = block.retention
+            retention = classes.get(block.block_id, 0)
+            if retention != key:
+                key = retention
                 bucket = self.eviction_class(key)
             bucket[block.block_id] = None
         self.num_evictable += len(blocks)
@@ -161,10 +168,11 @@ class FreeQueue:
 
     def remove_evictable(self, block: Block) -> None:
         """Take a cached block out of the queue (a prefix hit, or an invalidation)."""
-        bucket = self.evictable[block.retention]
+        retention = self.retention.get(block.block_id, 0)
+        bucket = self.evictable[retention]
         del bucket[block.block_id]
         if not bucket:
-            self.drop_eviction_class(block.retention)
+            self.drop_eviction_class(retention)
         self.num_evictable -= 1
         self.size -= 1
 

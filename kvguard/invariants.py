@@ -52,21 +52,24 @@ def check_pool(pool: BlockPool) -> None:
             add(f"block {block.block_id} is {block.state.name} without a hash")
         if block.block_hash is not None and block.state not in STORABLE_STATES:
             add(f"block {block.block_id} is {block.state.name} but keeps hash")
-        # Block-level step ledger (write_blocks / publish_block).
-        if block.writers and (block.state is not S.WRITTEN or not block.external_refs):
+    # Block-level step ledger (write_blocks / publish_block), in the kernel's side tables.
+    kernel = pool._kernel
+    for bid, writers in kernel.writers.items():
+        block = blocks[bid]
+        if writers < 1 or block.state is not S.WRITTEN or not block.external_refs:
             add(
-                f"block {block.block_id} has {block.writers} block-level writers but is "
+                f"block {bid} has {writers} block-level writers but is "
                 f"{block.state.name} with {block.external_refs} block-level refs"
             )
-        if block.writers < 0:
-            add(f"block {block.block_id} has {block.writers} writers")
-        if block.pending_publication is not None and (
-            block.state not in (S.ALLOCATED, S.WRITTEN) or not block.ref_cnt
-        ):
+    for bid in kernel.deferred:
+        block = blocks[bid]
+        if block.state not in (S.ALLOCATED, S.WRITTEN) or not block.ref_cnt:
             add(
-                f"block {block.block_id} waits to be published but is {block.state.name} "
+                f"block {bid} waits to be published but is {block.state.name} "
                 f"with ref_cnt {block.ref_cnt}"
             )
+    if any(not retention for retention in kernel.retention.values()):
+        add("the retention map keeps a class 0 (absent means 0)")
 
     # Rule 4: the free queue holds exactly the blocks with no reference, each once,
     # each in the tier its state calls for.
@@ -102,10 +105,13 @@ def check_pool(pool: BlockPool) -> None:
         add(f"free queue's first eviction class {first!r} is not the lowest {lowest!r}")
     if any(not bucket for bucket in classes.values()):
         add("free queue keeps an empty eviction class")
+    classes_of = pool._kernel.retention
     for retention, bucket in pool._kernel.free.evictable.items():
         for bid in bucket:
-            if blocks[bid].retention != retention:
-                add(f"block {bid} sits in retention class {retention}, has {blocks[bid].retention}")
+            if classes_of.get(bid, 0) != retention:
+                add(
+                    f"block {bid} sits in retention class {retention}, has {classes_of.get(bid, 0)}"
+                )
 
     # Rule 1: the index maps exactly the matchable blocks, each under its own hash.
     for block_hash, bid in pool._kernel.index.items():
@@ -217,10 +223,18 @@ class PoolSnapshot:
 
 
 def take_snapshot(pool: BlockPool) -> PoolSnapshot:
+    kernel = pool._kernel
+    retention, writers, pending = kernel.retention, kernel.writers, kernel.deferred
     return PoolSnapshot(
         blocks=tuple(
-            (BlockInfo.of(b), b.external_refs, b.parent_hash, b.writers, b.pending_publication)
-            for b in pool._kernel.blocks
+            (
+                BlockInfo.of(b, retention.get(b.block_id, 0)),
+                b.external_refs,
+                b.parent_hash,
+                writers.get(b.block_id, 0),
+                pending.get(b.block_id),
+            )
+            for b in kernel.blocks
         ),
         free_queue=pool._kernel.free.snapshot(),
         index=tuple(sorted(pool._kernel.index.items())),

@@ -204,7 +204,8 @@ class BlockPool(RequestSteps, Recovery, BlockSteps, TierGate):
         return self._kernel.blocks
 
     def block_info(self, block_id: int) -> BlockInfo:
-        return BlockInfo.of(self._block(block_id))
+        block = self._block(block_id)
+        return BlockInfo.of(block, self._kernel.retention.get(block_id, 0))
 
     def block_state(self, block_id: int) -> BlockState:
         """The block's state alone (no snapshot object: for per-step hot paths)."""

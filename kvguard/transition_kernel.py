@@ -153,7 +153,17 @@ class TransitionKernel:
         self.record_events = record_events
         self.blocks = _build_records(block_type, num_blocks)
         ids = [block.block_id for block in self.blocks]
-        self.free = FreeQueue()
+        # Per-block facts most blocks lack, kept beside the records (a record stays as
+        # small as vLLM's): an absent id has none of them.
+        self.writers: dict[int, int] = {}
+        """Block-level steps in flight that write into the block (``write_held``)."""
+        self.deferred: dict[int, PendingPublication] = {}
+        """The publication a block-level-held block waits for its writers to validate
+        (``publish_held`` on a block still being written): the pool's one record of
+        deferred publications."""
+        self.retention: dict[int, int] = {}
+        """Eviction class of a block when not 0: lower is evicted first."""
+        self.free = FreeQueue(self.retention)
         self.free.push_all_empty(ids)
         self.index: dict[BlockHash, int] = {}
         # Hashes invalidated, and hashes of blocks chained on them, since last published
@@ -186,6 +196,9 @@ class TransitionKernel:
             zero_blocks=self.zero.blocks,
             tainted=self.tainted,
             events=self.events if record_events else None,
+            writers=self.writers,
+            deferred=self.deferred,
+            retention=self.retention,
             zero_all=self._zero_all,
             zero_suspect=self._zero_suspect,
         )
@@ -227,8 +240,8 @@ class TransitionKernel:
         block.generation += 1
         # Block-level steps: whatever was still in flight or waiting to be published
         # is void now (no-ops for request-level blocks, which never set them).
-        block.writers = 0
-        block.pending_publication = None
+        self.writers.pop(block.block_id, None)
+        self.deferred.pop(block.block_id, None)
         self.counters.blocks_quarantined += 1
 
     def chained_on_taint(self, block_hash: BlockHash, parent: BlockHash | None) -> bool:
@@ -284,15 +297,15 @@ class TransitionKernel:
         # (the import-time check above guarantees the table agrees).
         blocks = self.blocks
         state = _WRITTEN_FROM_ALLOCATED if write else _ALLOCATED_FROM
-        writers = 1 if write else 0
         external_refs = 1 if held else 0
         for block_id in ids:
             block = blocks[block_id]
             block.state = state
             block.ref_cnt = 1
             block.external_refs = external_refs
-            block.writers = writers
             block.generation += 1
+        if write:  # (a block in the free queue has no writer)
+            self.writers.update(dict.fromkeys(ids, 1))
         if self._zero_all:
             for block_id in ids:
                 self.zero.add_block(block_id)
@@ -366,11 +379,11 @@ class TransitionKernel:
             if ref:
                 continue
             if block.state in _STAYS_CACHED:  # the common case, kept inline
-                block.retention = retention
                 cached.append(block_id)
             else:
                 released.append(block)
         if cached:
+            self._set_retention(cached, retention)
             self.free.push_evictable_ids(retention, cached)
         if released:
             self._drop_last_refs(released, retention)
@@ -411,7 +424,7 @@ class TransitionKernel:
                 if state in _STAYS_CACHED:
                     cached.append(block)
                 elif state is _ALLOCATED or (
-                    steps_passed and state is _WRITTEN and block.pending_publication is None
+                    steps_passed and state is _WRITTEN and block_id not in self.deferred
                 ):
                     freed.append(block)
                 else:
@@ -426,10 +439,12 @@ class TransitionKernel:
             # ALLOCATED --RELEASE--> FREE, and WRITTEN --VALIDATE--> VALIDATED
             # --RELEASE--> FREE (the import-time check above).
             free_ids = []
+            writers = self.writers
+            deferred = self.deferred
             for block in freed:
                 block.state = _FREED
-                block.writers = 0
-                block.pending_publication = None  # dies with the last holder
+                writers.pop(block.block_id, None)
+                deferred.pop(block.block_id, None)  # dies with the last holder
                 free_ids.append(block.block_id)
             self.free.push_empty(free_ids)
         if cached:
@@ -475,11 +490,11 @@ class TransitionKernel:
             state = block.state
             if state in _STAYS_CACHED:  # the common case: an evictable cached block
                 if retention is not None:
-                    block.retention = retention
+                    self._set_retention([block.block_id], retention)
                 cached.append(block)
                 continue
             # A publication still waiting for its step dies with the last holder.
-            block.pending_publication = None
+            self.deferred.pop(block.block_id, None)
             if state is _WRITTEN:
                 self._quarantine(block, _RELEASE)
                 free.push(block)
@@ -494,7 +509,7 @@ class TransitionKernel:
                 empty.append(block.block_id)
                 continue
             if retention is not None:
-                block.retention = retention
+                self._set_retention([block.block_id], retention)
             if new is _QUARANTINED:
                 free.push(block)
             else:
@@ -503,6 +518,15 @@ class TransitionKernel:
             free.push_empty(empty)
         if cached:
             free.push_evictable(cached)
+
+    def _set_retention(self, block_ids: list[int], retention: int) -> None:
+        """Give these blocks the eviction class ``retention`` (kept while not 0)."""
+        classes = self.retention
+        if retention:
+            classes.update(dict.fromkeys(block_ids, retention))
+        elif classes:
+            for block_id in block_ids:
+                classes.pop(block_id, None)
 
     # ------------------------------------------------------------ the write/validate ledger
 
@@ -545,12 +569,13 @@ class TransitionKernel:
                 if state is not _WRITTEN and state is not _VALIDATED:
                     raise IllegalTransitionError(block_id, state, _WRITE)
             checked.append(block)
+        writers = self.writers
         if fresh and len(set(block_ids)) == len(block_ids):
             # ALLOCATED --WRITE--> WRITTEN for all of them (an ALLOCATED block carries
-            # no hash).
+            # no hash, and no writer).
             for block in checked:
                 block.state = _WRITTEN_FROM_ALLOCATED
-                block.writers = 1
+            writers.update(dict.fromkeys(block_ids, 1))
             return
         for block in checked:
             if block.state is not _WRITTEN:
@@ -559,7 +584,7 @@ class TransitionKernel:
                     block.parent_hash = None
                     block.generation += 1
                 self._move(block, _WRITE)
-            block.writers += 1
+            writers[block.block_id] = writers.get(block.block_id, 0) + 1
 
     def validate(self, block_ids: Sequence[int]) -> None:
         """A request's step passed: these blocks, all of whose written tokens it
@@ -622,11 +647,11 @@ class TransitionKernel:
         """
         self.check_ids(block_ids)
         blocks = self.blocks
+        writers = self.writers
         # The usual case -- distinct blocks, each written by this step alone: one
         # checking pass, then one applying pass.
         for block_id in block_ids:
-            block = blocks[block_id]
-            if block.state is not _WRITTEN or block.writers != 1:
+            if blocks[block_id].state is not _WRITTEN or writers.get(block_id) != 1:
                 break
         else:
             if len(set(block_ids)) == len(block_ids):
@@ -634,29 +659,27 @@ class TransitionKernel:
         # One pass counts the validations off the writers, stopping at the first
         # block with no step left to validate; then the counts are restored and the
         # checking path names the error.
-        finished: list[Block] = []
+        finished: list[int] = []
         done = 0
         for block_id in block_ids:
-            block = blocks[block_id]
-            writers = block.writers
-            if block.state is not _WRITTEN or not writers:
+            left = writers.get(block_id, 0)
+            if blocks[block_id].state is not _WRITTEN or not left:
                 break
-            block.writers = writers - 1
+            writers[block_id] = left - 1
             done += 1
-            if writers == 1:
-                finished.append(block)
+            if left == 1:
+                finished.append(block_id)
         if done != len(block_ids):
             for block_id in block_ids[:done]:
-                blocks[block_id].writers += 1
+                writers[block_id] += 1
             self._raise_validate_error(block_ids)
         if publish and len(finished) != len(block_ids):
             # Blocks another in-flight step still writes: their publication waits for
             # that step, as publish_held's would.
             for block_id in block_ids:
-                block = blocks[block_id]
-                if block.writers and block_id in publish:
-                    block.pending_publication = publish[block_id]
-        return self._validate_and_publish([block.block_id for block in finished], publish)
+                if writers[block_id] and block_id in publish:
+                    self.deferred[block_id] = publish[block_id]
+        return self._validate_and_publish(finished, publish)
 
     def _validate_and_publish(
         self, block_ids: list[int], publish: Mapping[int, PendingPublication] | None
@@ -668,6 +691,8 @@ class TransitionKernel:
         blocks = self.blocks
         index = self.index
         tainted = self.tainted
+        writers = self.writers
+        deferred = self.deferred
         events = self.events if self.record_events else None
         held = publish.get if publish else _nothing_held
         published: list[int] = []
@@ -675,16 +700,16 @@ class TransitionKernel:
         num_held = 0
         for block_id in block_ids:
             block = blocks[block_id]
-            block.writers = 0
+            writers.pop(block_id, None)
             block.state = _VALIDATED_FROM_WRITTEN
             pending = held(block_id)
             if pending is None:
-                pending = block.pending_publication
+                pending = deferred.pop(block_id, None)
                 if pending is None:
                     continue
             else:
                 num_held += 1
-            block.pending_publication = None
+                deferred.pop(block_id, None)
             block_hash, parent_hash, owner = pending
             if tainted and self.chained_on_taint(block_hash, parent_hash):
                 continue  # never published, never hashed (not storable either)
@@ -708,10 +733,11 @@ class TransitionKernel:
         """Why ``validate_held(block_ids)`` cannot validate every block (it raises)."""
         for block_id, n in _count(block_ids).items():
             block = self.blocks[block_id]
-            if block.state is not _WRITTEN or block.writers < n:
+            writers = self.writers.get(block_id, 0)
+            if block.state is not _WRITTEN or writers < n:
                 self.check_block_level(block_id)
                 raise NoPendingStepError(
-                    f"block {block_id} is {block.state.name} with {block.writers} step(s) "
+                    f"block {block_id} is {block.state.name} with {writers} step(s) "
                     f"in flight, cannot validate {n}; was it released or failed meanwhile?"
                 )
         raise AssertionError("validate_held() stopped on a valid block")  # pragma: no cover
@@ -740,12 +766,12 @@ class TransitionKernel:
             return PublishOutcome.PUBLISHED
         self.check_block_level(block_id)
         if state is _VALIDATED:
-            block.pending_publication = publication
+            self.deferred[block_id] = publication
             if self._validate_and_publish([block_id], None)[1]:
                 return PublishOutcome.PUBLISHED
             return PublishOutcome.DUPLICATE
         if state in (_ALLOCATED, _WRITTEN) and block.ref_cnt:
-            block.pending_publication = publication
+            self.deferred[block_id] = publication
             self.counters.withheld_publications += 1
             return PublishOutcome.DEFERRED
         raise IllegalTransitionError(block_id, state, _PUBLISH)

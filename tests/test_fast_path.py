@@ -89,10 +89,7 @@ assert set(BLOCK_FIELDS) >= {
     "block_hash",
     "parent_hash",
     "generation",
-    "retention",
     "external_refs",
-    "writers",
-    "pending_publication",
 }
 
 
@@ -129,6 +126,9 @@ def observe(pool: BlockPool) -> dict[str, object]:
         "free_queue.classes": [(r, list(bucket)) for r, bucket in free.evictable.items()],
         "free_queue.first_class": None if first is None else first[0],
         "index": list(pool._kernel.index.items()),  # insertion order too
+        "writers": sorted(pool._kernel.writers.items()),
+        "deferred": sorted(pool._kernel.deferred.items()),
+        "retention": sorted(pool._kernel.retention.items()),
         "stats": pool.stats(),
         "zero_queue": pool._kernel.zero.pending_blocks(),
         "events": list(pool._kernel.events),

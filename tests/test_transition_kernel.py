@@ -1,9 +1,10 @@
 """The transition kernel is the only writer of block records.
 
-Every assignment to a field of a block record (its state, references, hash, writers,
-pending publication, generation, retention) anywhere in the package must be in
-``kvguard/transition_kernel.py``; so must the free queue's and the zero queue's
-mutations. This test reads the source: a new writer elsewhere fails it by name.
+Every assignment to a field of a block record (its state, references, hash,
+generation) anywhere in the package must be in ``kvguard/transition_kernel.py``; so
+must every change of the kernel's side tables (block-level writers, deferred
+publications, retention classes) and of the free queue and the zero queue. This test
+reads the source: a new writer elsewhere fails it by name.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ KERNEL = PACKAGE / "transition_kernel.py"
 # Modules that are themselves the structures the kernel owns, or build block records.
 OWN_STRUCTURES = {PACKAGE / "free_queue.py", PACKAGE / "zeroing.py", PACKAGE / "block.py"}
 RECORD_FIELDS = frozenset(Block.__slots__)
+SIDE_TABLES = frozenset({"writers", "deferred", "retention"})
+DICT_MUTATORS = frozenset({"pop", "update", "setdefault", "clear", "popitem", "__setitem__"})
 QUEUE_MUTATORS = frozenset(
     {
         "push",
@@ -47,12 +50,20 @@ def _writers(path: Path) -> list[str]:
             targets = node.targets
         elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
             targets = [node.target]
+        if isinstance(node, ast.Delete):
+            targets = node.targets
         for target in targets:
             for sub in ast.walk(target):
                 if isinstance(sub, ast.Attribute) and sub.attr in RECORD_FIELDS:
                     if isinstance(sub.value, ast.Name) and sub.value.id == "self":
                         continue  # an object's own field (a result, an error), not a block's
                     found.append(f"{path.name}:{sub.lineno} .{sub.attr} =")
+                if (
+                    isinstance(sub, ast.Subscript)
+                    and isinstance(sub.value, ast.Attribute)
+                    and sub.value.attr in SIDE_TABLES
+                ):
+                    found.append(f"{path.name}:{sub.lineno} .{sub.value.attr}[...] =")
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
             func = node.func
             owner = func.value
@@ -62,11 +73,17 @@ def _writers(path: Path) -> list[str]:
                 and owner.attr in ("free", "zero", "_free", "_zero")
             ):
                 found.append(f"{path.name}:{node.lineno} {owner.attr}.{func.attr}()")
+            if (
+                func.attr in DICT_MUTATORS
+                and isinstance(owner, ast.Attribute)
+                and owner.attr in SIDE_TABLES
+            ):
+                found.append(f"{path.name}:{node.lineno} .{owner.attr}.{func.attr}()")
     return found
 
 
 def test_the_fields_checked_are_the_block_records() -> None:
-    assert {"state", "ref_cnt", "block_hash", "external_refs", "writers"} <= RECORD_FIELDS
+    assert {"state", "ref_cnt", "block_hash", "external_refs", "generation"} <= RECORD_FIELDS
 
 
 def test_only_the_transition_kernel_writes_block_records() -> None:
@@ -89,9 +106,9 @@ def test_the_scan_finds_a_writer(tmp_path: Path) -> None:
         "    block = pool.blocks[b]\n"
         "    block.ref_cnt += 1\n"
         "    pool._kernel.free.push(block)\n"
+        "    pool._kernel.writers[b] = 2\n"
+        "    pool._kernel.deferred.pop(b)\n"
     )
-    assert [hit.split(" ", 1)[1] for hit in _writers(rogue)] == [
-        ".state =",
-        ".ref_cnt =",
-        "free.push()",
-    ]
+    assert sorted(hit.split(" ", 1)[1] for hit in _writers(rogue)) == sorted(
+        [".state =", ".ref_cnt =", "free.push()", ".writers[...] =", ".deferred.pop()"]
+    )
