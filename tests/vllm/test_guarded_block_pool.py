@@ -47,6 +47,18 @@ def test_free_skips_the_null_block_and_routes_another_pools_blocks() -> None:
     pool.check_consistency()
 
 
+def test_how_a_release_goes_is_said_in_the_call() -> None:
+    """vLLM's own calls pass nothing: unvalidated blocks are quarantined. A request
+    leaving after a clean step has them validated as they are released."""
+    pool = _pool()
+    vllm_freed, clean_freed = pool.get_new_blocks(2), pool.get_new_blocks(2)
+    pool.free_blocks(vllm_freed)
+    pool.free_blocks(reversed(clean_freed), steps_passed=True)
+    assert [b.state for b in vllm_freed] == [BlockState.QUARANTINED] * 2
+    assert [b.state for b in clean_freed] == [BlockState.FREE] * 2  # plain frees
+    pool.check_consistency()
+
+
 def test_free_skips_the_null_block() -> None:
     """R-SWA block tables hold the null block where vLLM dropped the gap."""
     pool = _pool()
