@@ -94,3 +94,20 @@ def test_a_window_takes_freed_blocks_out_of_the_steps_in_flight() -> None:
     ledger.carried.add("a", [5, 6], {5: _publication(5, "a"), 6: _publication(6, "a")})
     ledger.carried.drop("a", {5})
     assert ledger.carried.fills == {"a": [6]} and list(ledger.carried.publications) == [6]
+
+
+def test_a_request_preempted_while_its_step_is_scheduled_keeps_nothing_of_it() -> None:
+    """vLLM's priority policy may preempt a request it already scheduled in the step
+    it is scheduling: its blocks are released (and may be reused at once), so the
+    fills it noted in that step must neither be validated by the step nor carried to
+    the request's next one (which would publish another owner's block under its hash)."""
+    ledger = StepLedger(settles=None)
+    ledger.open()
+    _note(ledger, "low", [1, 2], 32)
+    _note(ledger, "high", [3], 16)
+    ledger.forget("low")  # preempted; vLLM takes it out of the step's scheduled tokens
+    token = object()
+    record = ledger.seal(token, {"high": 16})
+    assert record.fills == {"high": [3]} and sorted(record.publications) == [3]
+    assert "low" in record.dropped
+    assert sorted(ledger.held_blocks()) == []

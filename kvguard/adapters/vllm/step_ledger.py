@@ -275,6 +275,15 @@ class StepLedger:
         anything for it, and what it carried is no longer its to vouch for."""
         if self.carried.fills:
             self.carried.drop(request_id)
+        step = self.scheduling
+        if step is not None and request_id in step.fills:
+            # Preempted while this very step is scheduled (vLLM's priority policy takes
+            # a request it already scheduled back out): its blocks are released now and
+            # may be reused within the step, so what it filled is never its to publish
+            # -- not by this step, nor carried to a later one.
+            for block_id in step.fills.pop(request_id):
+                step.publications.pop(block_id, None)
+            step.dropped.add(request_id)
         for record in self._steps:
             if request_id in record.scheduled or request_id in record.fills:
                 record.fills.pop(request_id, None)
