@@ -234,8 +234,14 @@ def test_streaming_delivers_the_tokens_before_the_fault_then_the_error(
     reference: Any, servers: dict[str, Server]
 ) -> None:
     """NaN in decode (position 43 of a 40-token prompt: output token 4). Streaming,
-    stock sends all 8 tokens, 4.. from NaN logits; guarded sends tokens 0..3, each
-    equal to the fault-free output, then an error event, and nothing else."""
+    stock sends all 8 tokens, 4.. from NaN logits; guarded sends at most tokens 0..3,
+    each equal to the fault-free output, then an error event, and nothing else.
+
+    (At most: vLLM merges a request's streamed deltas that its server has not sent yet,
+    and its server raises on an ``error`` finish before sending the tokens of that
+    output -- on a loaded machine tokens 0..3 can reach the server merged into the
+    final output and are dropped with it. The guarantee is that no token sampled from
+    NaN logits is delivered.)"""
     d = with_token(tokens(210, 40), 5, trigger(38))  # 5 + 38 = 43
     (ref,) = generate(reference, [d])
 
@@ -250,6 +256,6 @@ def test_streaming_delivers_the_tokens_before_the_fault_then_the_error(
     assert reasons == ["length"] and not errors
 
     ids, reasons, errors = streamed(servers["guarded"].stream(d))
-    assert ids == list(ref.token_ids[:4])
+    assert len(ids) <= 4 and ids == list(ref.token_ids[: len(ids)])
     assert [e["type"] for e in errors] == ["InternalServerError"]
     assert reasons == []
