@@ -757,8 +757,9 @@ FastPath_release(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
             PyObject *block = PyList_GET_ITEM(freed, k);
             PyObject *id_obj = FIELD(block, self->off_block_id);
             set_field(block, self->off_state, self->st_free);
-            if (forget(self->writers_map, id_obj) < 0 ||
-                forget(self->pending_map, id_obj) < 0 || /* dies with the last holder */
+            if ((PyDict_GET_SIZE(self->writers_map) && forget(self->writers_map, id_obj) < 0) ||
+                /* a deferred publication dies with the last holder */
+                (PyDict_GET_SIZE(self->pending_map) && forget(self->pending_map, id_obj) < 0) ||
                 PyList_Append(self->empty, id_obj) < 0)
                 goto error;
         }
@@ -774,7 +775,7 @@ FastPath_release(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
         for (Py_ssize_t k = 0; k < num_quarantined; k++) {
             PyObject *block = PyList_GET_ITEM(quarantined, k);
             PyObject *id_obj = FIELD(block, self->off_block_id);
-            if (forget(self->pending_map, id_obj) < 0)
+            if (PyDict_GET_SIZE(self->pending_map) && forget(self->pending_map, id_obj) < 0)
                 goto error;
             if (FIELD(block, self->off_state) == self->st_written) {
                 set_field(block, self->off_state, self->st_quarantined);

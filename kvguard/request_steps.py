@@ -228,7 +228,10 @@ class RequestSteps(PoolCore):
             rec.blocks.extend(hit.block_ids)
             rec.num_written = rec.num_validated = hit.num_tokens
             rec.publish_cursor = len(hit.block_ids)
-        new = kernel.allocate(_cdiv(num_tokens, self.block_size) - len(rec.blocks), False, False)
+        need = _cdiv(num_tokens, self.block_size) - len(rec.blocks)
+        if need <= 0:  # (most decode steps: the last block has room)
+            return ()
+        new = kernel.allocate(need, False, False)
         rec.blocks.extend(new)
         return tuple(new)
 
@@ -252,7 +255,7 @@ class RequestSteps(PoolCore):
                 "allocate() first"
             )
         kernel = self._kernel
-        kernel.write(rec.blocks[start // size : (end - 1) // size + 1])
+        kernel.write(rec.blocks, start // size, (end - 1) // size)
         if self.enable_caching:
             # Blocks this step fills: vLLM 0.33 would publish them now, unvalidated.
             kernel.counters.withheld_publications += end // size - start // size

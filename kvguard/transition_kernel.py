@@ -530,18 +530,23 @@ class TransitionKernel:
 
     # ------------------------------------------------------------ the write/validate ledger
 
-    def write(self, block_ids: Sequence[int]) -> None:
-        """A step writes into these blocks (a request's): WRITE unless WRITTEN already
-        (a request's partial blocks carry no hash). Raises having changed nothing if
-        one cannot be written."""
+    def write(self, table: Sequence[int], first: int, last: int) -> None:
+        """A step writes into a request's blocks ``table[first:last + 1]``: WRITE
+        unless WRITTEN already (a request's partial blocks carry no hash). Raises
+        having changed nothing if one cannot be written."""
         blocks = self.blocks
-        for block_id in block_ids:
-            state = blocks[block_id].state
-            if state is not _WRITTEN and state not in _WRITE_TO:
-                raise IllegalTransitionError(block_id, state, _WRITE)
-        for block_id in block_ids:
-            block = blocks[block_id]
-            block.state = _WRITE_TO[block.state]
+        changed: list[tuple[Block, BlockState]] = []
+        for i in range(first, last + 1):
+            block = blocks[table[i]]
+            state = block.state
+            if state is not _WRITTEN:
+                new = _WRITE_TO.get(state)
+                if new is None:
+                    for done, old in changed:
+                        done.state = old
+                    raise IllegalTransitionError(block.block_id, state, _WRITE)
+                block.state = new
+                changed.append((block, state))
 
     def write_held(self, block_ids: list[int]) -> None:
         """A block-level step writes into these block-level-held blocks: each gets one
