@@ -51,3 +51,11 @@ def test_quick_against_vllm() -> None:
     rates = [line.split(":", 1)[1] for line in out.splitlines() if "prefix hit rate" in line]
     assert len(rates) == 2
     assert rates[0].strip() == rates[1].strip()  # both pools hit the same prefix
+
+
+def test_pool_build_runs() -> None:
+    """``benchmarks/pool_build.py`` on a small pool: a time and a size per side."""
+    out = run_benchmark("pool_build.py", "--blocks", "2000", "--repeats", "1", timeout=120)
+    line = next(line for line in out.splitlines() if line.startswith("kvguard "))
+    _, took, _, size, _ = line.split()
+    assert float(took) >= 0 and 40 < float(size) < 1000
