@@ -1,11 +1,13 @@
 """What the pool's façades share: the transition kernel and the request records.
 
 :class:`kvguard.BlockPool` combines four façades -- request steps, block-level steps,
-the tier gate, fault recovery -- each a class of its own module. They share exactly two
-things, built here: ``_kernel`` (:class:`~kvguard.transition_kernel.TransitionKernel`,
-the pool's blocks, queues and index and the only writer of block states) and
-``_requests`` (the request records, :mod:`kvguard.request_record`), plus the lookups of
-a request or a block that turn a bad name into a typed error.
+the tier gate, fault recovery -- each a class of its own module. What they share is
+built here, and nothing else: ``_kernel``
+(:class:`~kvguard.transition_kernel.TransitionKernel`, the pool's blocks, queues and
+index and the only writer of block states), ``_requests`` (the request records,
+:mod:`kvguard.request_record`), ``_tiers`` (the tier gate's ledger, which ``stats()``
+reads too) and ``_hasher``, plus the lookups of a request or a block that turn a bad
+name into a typed error.
 """
 
 from __future__ import annotations

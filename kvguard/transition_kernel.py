@@ -19,7 +19,8 @@ Every place that changes a block's state, by primitive:
 ``release_table``             a request's references; on the last one RELEASE
 ``release_held``              block-level references; on the last one RELEASE, or with
                               ``steps_passed`` VALIDATE (+ PUBLISH) then RELEASE
-``write``                     --WRITE--> WRITTEN
+``write``                     a request's blocks --WRITE--> WRITTEN
+``write_held``                block-level blocks --WRITE--> WRITTEN (one more writer)
 ``validate``                  WRITTEN --VALIDATE--> VALIDATED (request-level)
 ``publish_chain``             VALIDATED --PUBLISH--> PUBLISHED (a request's prefix)
 ``validate_held``             block-level VALIDATE and the deferred PUBLISH
