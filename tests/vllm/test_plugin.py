@@ -52,6 +52,7 @@ def restore_vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch
     monkeypatch.setattr(v1_runner, "count_nans_per_row", v1_runner.count_nans_per_row)
     runner = v1_runner.GPUModelRunner
     monkeypatch.setattr(runner, "_bookkeeping_sync", runner._bookkeeping_sync)
+    monkeypatch.setattr(runner, "_get_nans_in_logits", runner._get_nans_in_logits)
     yield monkeypatch
 
 
@@ -113,6 +114,7 @@ def test_plugin_makes_the_model_runners_count_nans_per_request(
     assert plugin.worker_counts_per_request()
     assert getattr(v1_runner.GPUModelRunner._bookkeeping_sync, "_kvguard_per_request_nans", False)
     assert getattr(v1_runner.count_nans_per_row, "_kvguard_per_request_nans", False)
+    assert getattr(v1_runner.GPUModelRunner._get_nans_in_logits, "_kvguard_per_request_nans", False)
     # Runner modules a worker imports later are patched as they load.
     assert any(type(f).__name__ == "_PatchOnImport" for f in sys.meta_path)
     plugin_on.delenv("KVGUARD_GUARD")

@@ -171,6 +171,31 @@ def test_a_step_without_drafts_runs_vllms_count(patched: None) -> None:
     assert counts == {"r0": 0, "r1": 3, "r2": 0, "r3": 0}
 
 
+def test_a_clean_step_is_told_by_one_sum(patched: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sync path first sums the step's logits (a NaN anywhere makes the sum NaN): a
+    clean step reports 0 for every request, what vLLM's count reports, without counting
+    rows. A sum that is NaN with no NaN logit (an inf meeting a -inf) counts the rows."""
+    t = Step()
+    so, num_rows = t.prepare({"r0": [5, 5], "r2": [7]})
+    clean = _logits(num_rows, {})
+    stock = v1.GPUModelRunner._get_nans_in_logits.__wrapped__(t.runner, clean)
+    assert stock == {"r0": 0, "r1": 0, "r2": 0, "r3": 0}
+
+    def count_nans_per_row(logits: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("a clean step counted its rows")
+
+    with monkeypatch.context() as m:
+        m.setattr(v1, "count_nans_per_row", count_nans_per_row)
+        counts, _ = t.book(so, clean)
+    assert counts == stock and list(counts) == list(stock)  # the same keys, in order
+    infinite = clean.clone()
+    infinite[0, 0], infinite[5, 3] = float("inf"), float("-inf")
+    assert infinite.sum().isnan()
+    assert t.runner._get_nans_in_logits(infinite) == stock
+    infinite[3, 1] = NAN  # row 3 is r3's outside a booking (vLLM's row i -> request i)
+    assert t.runner._get_nans_in_logits(infinite) == {"r0": 0, "r1": 0, "r2": 0, "r3": 1}
+
+
 def test_logits_of_an_unknown_layout_fail_every_request(patched: None) -> None:
     """Rows that do not match the layout vLLM planned cannot be told apart: each request
     gets the whole step's count (the safe side), never a clean zero it may not have."""
