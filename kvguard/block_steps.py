@@ -18,8 +18,14 @@ from kvguard.pool_core import PoolCore
 from kvguard.results import BlockValidation, PublishOutcome
 
 
-class BlockSteps(PoolCore):
+class BlockSteps:
     """The block-level API: the caller keeps its own block tables and names blocks."""
+
+    __slots__ = ("_core", "_kernel")
+
+    def __init__(self, core: PoolCore) -> None:
+        self._core = core
+        self._kernel = core.kernel
 
     @staticmethod
     def _ids(block_ids: Iterable[int]) -> list[int]:
@@ -93,7 +99,7 @@ class BlockSteps(PoolCore):
         ids = self._ids(block_ids)
         if publish is not None and (type(publish) is not dict or publish):
             arguments.publications(publish)
-            if publish and not self.enable_caching:
+            if publish and not self._kernel.enable_caching:
                 raise PoolMisuseError("validate_blocks(publish=...) needs enable_caching=True")
         validated, published, duplicates = self._kernel.validate_held(ids, publish)
         return BlockValidation(tuple(validated), tuple(published), tuple(duplicates))
@@ -108,7 +114,7 @@ class BlockSteps(PoolCore):
         ids = arguments.id_list(block_ids)
         kernel = self._kernel
         for block_id in ids:
-            self._block(block_id)  # raises UnknownBlockError
+            self._core.block(block_id)  # raises UnknownBlockError
             kernel.check_block_level(block_id)
         return tuple(kernel.fail(ids))
 
@@ -128,10 +134,10 @@ class BlockSteps(PoolCore):
         validates it (``BlockStored`` is emitted then, naming ``owner``). A
         quarantined block is refused with :class:`IllegalTransitionError`.
         """
-        if not self.enable_caching:
+        if not self._kernel.enable_caching:
             raise PoolMisuseError("publish_block() needs a pool with enable_caching=True")
-        if type(block_id) is not int or not 0 <= block_id < self.num_blocks:
-            self._block(block_id)  # raises UnknownBlockError
+        if type(block_id) is not int or not 0 <= block_id < self._core.num_blocks:
+            self._core.block(block_id)  # raises UnknownBlockError
         publication = (block_hash, parent_hash, owner)
         arguments.publication(block_id, publication)
         return self._kernel.publish_held(block_id, publication)

@@ -33,7 +33,7 @@ def check_pool(pool: BlockPool) -> None:
 
     # Rule 4: reference counts are exactly the table entries plus block-level holders.
     table_refs: Counter[int] = Counter()
-    for rid, rec in pool._requests.items():
+    for rid, rec in pool._core.requests.items():
         if len(set(rec.blocks)) != len(rec.blocks):
             add(f"request {rid!r} lists a block twice: {rec.blocks}")
         table_refs.update(rec.blocks)
@@ -128,7 +128,7 @@ def check_pool(pool: BlockPool) -> None:
             add(f"block {block.block_id} is {block.state.name} under a tainted hash")
 
     # Rule 5 and the ledger: each request's blocks agree with its boundaries.
-    for rid, rec in pool._requests.items():
+    for rid, rec in pool._core.requests.items():
         if not 0 <= rec.num_validated <= rec.num_written <= len(rec.blocks) * size:
             add(
                 f"request {rid!r}: validated {rec.num_validated}, written {rec.num_written}, "
@@ -167,7 +167,7 @@ def check_pool(pool: BlockPool) -> None:
                 )
 
     # Rule 2: every store in flight names a real block.
-    for ticket in pool._tiers.tickets.values():
+    for ticket in pool._core.tiers.tickets.values():
         if not 0 <= ticket.block_id < pool.num_blocks:
             add(f"store ticket {ticket.ticket_id} names block {ticket.block_id}")
 
@@ -251,13 +251,15 @@ def take_snapshot(pool: BlockPool) -> PoolSnapshot:
                 tuple(rec.block_hashes),
                 rec.publish_cursor,
             )
-            for rid, rec in sorted(pool._requests.items())
+            for rid, rec in sorted(pool._core.requests.items())
         ),
         zero_blocks=pool._kernel.zero.pending_blocks(),
         zero_slots=pool._kernel.zero.pending_slots(),
         num_events=len(pool._kernel.events),
-        tickets=tuple(sorted(pool._tiers.tickets)),
-        tier_copies=tuple(sorted((h, tuple(sorted(t))) for h, t in pool._tiers.copies.items())),
+        tickets=tuple(sorted(pool._core.tiers.tickets)),
+        tier_copies=tuple(
+            sorted((h, tuple(sorted(t))) for h, t in pool._core.tiers.copies.items())
+        ),
         tainted=tuple(sorted(pool._kernel.tainted)),
         counters=dataclasses.replace(pool._kernel.counters),
     )

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import os
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from kvguard import arguments
 from kvguard.block import Block, BlockInfo
@@ -37,6 +38,7 @@ from kvguard.errors import PoolMisuseError
 from kvguard.events import AllBlocksCleared, PoolEvent
 from kvguard.hashing import BlockHash, BlockHasher, default_block_hasher
 from kvguard.invariants import PoolSnapshot, check_pool, take_snapshot
+from kvguard.pool_core import PoolCore
 from kvguard.recovery import Recovery
 from kvguard.request_steps import RequestSteps
 from kvguard.results import SlotRange
@@ -46,6 +48,8 @@ from kvguard.tier_gate import TierGate
 from kvguard.zeroing import ZeroPolicy
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 CHECK_INVARIANTS_ENV = "KVGUARD_CHECK_INVARIANTS"
 
@@ -98,7 +102,34 @@ _READERS = (
 )
 
 
-class BlockPool(RequestSteps, Recovery, BlockSteps, TierGate):
+# Each façade method BlockPool exposes, by name: the attribute of the façade object
+# that implements it (filled by _forwarded below).
+_FACADE_OF: dict[str, str] = {}
+
+
+def _forwarded(
+    facade: str, method: Callable[Concatenate[Any, _P], _R]
+) -> Callable[Concatenate[BlockPool, _P], _R]:
+    """``method`` of the façade object ``BlockPool.<facade>``, as a method of the pool.
+
+    What the class carries (its signature and docstring are the façade method's, for
+    readers, ``help()`` and type checkers). A pool calls the façade's bound method
+    directly: ``BlockPool.__init__`` binds it on the instance (no forwarding frame on
+    the hot paths); this function runs only when the class attribute is called, as
+    ``BlockPool.allocate(pool, ...)``.
+    """
+    name = method.__name__
+    _FACADE_OF[name] = facade
+    get_facade = operator.attrgetter(facade)
+
+    @functools.wraps(method)
+    def forward(pool: BlockPool, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        return method(get_facade(pool), *args, **kwargs)
+
+    return forward
+
+
+class BlockPool:
     """A validation-gated pool of ``num_blocks`` KV-cache blocks of ``block_size`` tokens.
 
     ``enable_caching`` turns the prefix index on (validated full blocks are published);
@@ -110,6 +141,10 @@ class BlockPool(RequestSteps, Recovery, BlockSteps, TierGate):
     engine's own fields, so that the engine reads reference counts, hashes and states
     from kvguard's records instead of keeping copies (the vLLM adapter's blocks are
     what vLLM reads as its ``KVCacheBlock`` objects).
+
+    The pool is composed of four façades over one shared core (:mod:`kvguard.pool_core`):
+    request steps, block-level steps, the tier gate and fault recovery, each of which
+    checks its arguments and calls the transition kernel. Their methods are the pool's.
     """
 
     def __init__(
@@ -124,7 +159,7 @@ class BlockPool(RequestSteps, Recovery, BlockSteps, TierGate):
         block_type: type[Block] = Block,
         check_invariants: bool | None = None,
     ) -> None:
-        super().__init__(
+        core = PoolCore(
             num_blocks,
             block_size,
             enable_caching=enable_caching,
@@ -133,13 +168,85 @@ class BlockPool(RequestSteps, Recovery, BlockSteps, TierGate):
             record_events=record_events,
             block_type=block_type,
         )
-        self._index_view = MappingProxyType(self._kernel.index)
         if check_invariants is None:
             check_invariants = os.environ.get(CHECK_INVARIANTS_ENV, "") not in ("", "0")
         arguments.flag("check_invariants", check_invariants)
+        self._core = core
+        self._kernel = core.kernel
+        self._request_steps = RequestSteps(core)
+        self._block_steps = BlockSteps(core)
+        self._tier_gate = TierGate(core)
+        self._recovery = Recovery(core)
+        self._index_view = MappingProxyType(core.kernel.index)
+        cls = type(self)
+        for name, facade in _FACADE_OF.items():
+            if getattr(cls, name) is getattr(BlockPool, name):  # (not a subclass's own)
+                setattr(self, name, getattr(getattr(self, facade), name))
         if check_invariants:
             for name in _MUTATORS:
                 setattr(self, name, self._checked(getattr(self, name)))
+
+    # The pool's settings, fixed at construction.
+    @property
+    def num_blocks(self) -> int:
+        return self._core.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self._core.block_size
+
+    @property
+    def enable_caching(self) -> bool:
+        return self._kernel.enable_caching
+
+    @property
+    def zero_policy(self) -> ZeroPolicy:
+        return self._kernel.zero_policy
+
+    @property
+    def record_events(self) -> bool:
+        return self._kernel.record_events
+
+    # Request steps (kvguard.request_steps).
+    add_request = _forwarded("_request_steps", RequestSteps.add_request)
+    append_tokens = _forwarded("_request_steps", RequestSteps.append_tokens)
+    append_block_hashes = _forwarded("_request_steps", RequestSteps.append_block_hashes)
+    lookup = _forwarded("_request_steps", RequestSteps.lookup)
+    can_allocate = _forwarded("_request_steps", RequestSteps.can_allocate)
+    allocate = _forwarded("_request_steps", RequestSteps.allocate)
+    write = _forwarded("_request_steps", RequestSteps.write)
+    validate_step = _forwarded("_request_steps", RequestSteps.validate_step)
+    fail_step = _forwarded("_request_steps", RequestSteps.fail_step)
+    free = _forwarded("_request_steps", RequestSteps.free)
+    block_table = _forwarded("_request_steps", RequestSteps.block_table)
+    progress = _forwarded("_request_steps", RequestSteps.progress)
+
+    @property
+    def request_ids(self) -> tuple[str, ...]:
+        """The open requests, in the order they were added."""
+        return tuple(self._core.requests)
+
+    # Fault recovery (kvguard.recovery).
+    zero_request_tail = _forwarded("_recovery", Recovery.zero_request_tail)
+
+    # Block-level steps (kvguard.block_steps).
+    allocate_blocks = _forwarded("_block_steps", BlockSteps.allocate_blocks)
+    acquire_blocks = _forwarded("_block_steps", BlockSteps.acquire_blocks)
+    release_blocks = _forwarded("_block_steps", BlockSteps.release_blocks)
+    write_blocks = _forwarded("_block_steps", BlockSteps.write_blocks)
+    validate_blocks = _forwarded("_block_steps", BlockSteps.validate_blocks)
+    fail_blocks = _forwarded("_block_steps", BlockSteps.fail_blocks)
+    publish_block = _forwarded("_block_steps", BlockSteps.publish_block)
+    cached_block_id = _forwarded("_block_steps", BlockSteps.cached_block_id)
+
+    # The tier gate (kvguard.tier_gate).
+    storable_blocks = _forwarded("_tier_gate", TierGate.storable_blocks)
+    begin_store = _forwarded("_tier_gate", TierGate.begin_store)
+    ack_store = _forwarded("_tier_gate", TierGate.ack_store)
+    fail_store = _forwarded("_tier_gate", TierGate.fail_store)
+    forget_tier_copy = _forwarded("_tier_gate", TierGate.forget_tier_copy)
+    tier_copies = _forwarded("_tier_gate", TierGate.tier_copies)
+    invalidate = _forwarded("_tier_gate", TierGate.invalidate)
 
     def _checked(self, method: _F) -> _F:
         @functools.wraps(method)
@@ -159,12 +266,12 @@ class BlockPool(RequestSteps, Recovery, BlockSteps, TierGate):
         """
         held = arguments.id_list(keep_held)
         for block_id in held:
-            self._block(block_id)  # raises UnknownBlockError
+            self._core.block(block_id)  # raises UnknownBlockError
         kept = set(held)
         kernel = self._kernel
         if any(block.ref_cnt for block in kernel.blocks if block.block_id not in kept):
             return False
-        if any(self._block(b).state in MATCHABLE_STATES for b in kept):
+        if any(self._core.block(b).state in MATCHABLE_STATES for b in kept):
             raise PoolMisuseError("keep_held names a cached block; release it first")
         kernel.evict_all()
         if self.record_events:
@@ -204,16 +311,16 @@ class BlockPool(RequestSteps, Recovery, BlockSteps, TierGate):
         return self._kernel.blocks
 
     def block_info(self, block_id: int) -> BlockInfo:
-        block = self._block(block_id)
+        block = self._core.block(block_id)
         return BlockInfo.of(block, self._kernel.retention.get(block_id, 0))
 
     def block_state(self, block_id: int) -> BlockState:
         """The block's state alone (no snapshot object: for per-step hot paths)."""
-        return self._block(block_id).state
+        return self._core.block(block_id).state
 
     def block_hash(self, block_id: int) -> BlockHash | None:
         """The block's hash alone (None unless validated, full and hashed)."""
-        return self._block(block_id).block_hash
+        return self._core.block(block_id).block_hash
 
     def get_num_free_blocks(self) -> int:
         """Blocks an allocation can take now (free, quarantined and evictable)."""
@@ -227,10 +334,10 @@ class BlockPool(RequestSteps, Recovery, BlockSteps, TierGate):
             blocks_by_state=self._blocks_by_state(),
             num_free=kernel.free.size,
             num_evictable=kernel.free.num_evictable,
-            num_requests=len(self._requests),
+            num_requests=len(self._core.requests),
             zero_queue_blocks=len(kernel.zero.blocks),
             zero_queue_slots=len(kernel.zero.pending_slots()),
-            stores_in_flight=len(self._tiers.tickets),
+            stores_in_flight=len(self._core.tiers.tickets),
             counters=dataclasses.replace(kernel.counters),
         )
 

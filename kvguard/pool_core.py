@@ -1,13 +1,13 @@
 """What the pool's façades share: the transition kernel and the request records.
 
-:class:`kvguard.BlockPool` combines four façades -- request steps, block-level steps,
-the tier gate, fault recovery -- each a class of its own module. What they share is
-built here, and nothing else: ``_kernel``
-(:class:`~kvguard.transition_kernel.TransitionKernel`, the pool's blocks, queues and
-index and the only writer of block states), ``_requests`` (the request records,
-:mod:`kvguard.request_record`), ``_tiers`` (the tier gate's ledger, which ``stats()``
-reads too) and ``_hasher``, plus the lookups of a request or a block that turn a bad
-name into a typed error.
+:class:`kvguard.BlockPool` is composed of four façades -- request steps, block-level
+steps, the tier gate, fault recovery -- each an object of its own module's class, built
+on one :class:`PoolCore`. The core holds what they share and nothing else: ``kernel``
+(:class:`~kvguard.transition_kernel.TransitionKernel`: the pool's blocks, queues and
+index, and the only writer of block states), ``requests`` (the request records,
+:mod:`kvguard.request_record`), ``tiers`` (the tier gate's ledger, which ``stats()``
+reads too) and ``hasher``, plus the lookups of a request or a block that turn a bad
+name into a typed error. A façade reaches no other façade.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ def _cdiv(a: int, b: int) -> int:
 class PoolCore:
     """The shared state of the façades; see :class:`kvguard.BlockPool` for the API."""
 
+    __slots__ = ("block_size", "hasher", "kernel", "num_blocks", "requests", "tiers")
+
     def __init__(
         self,
         num_blocks: int,
@@ -59,30 +61,25 @@ class PoolCore:
         arguments.flag("record_events", record_events)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.enable_caching = enable_caching
-        self.zero_policy = zero_policy
-        # False: an engine that never drains take_events() (it builds its own) does not
-        # pay for event objects on every publication and eviction.
-        self.record_events = record_events
-        self._hasher = hasher
-        self._kernel = TransitionKernel(
+        self.hasher = hasher
+        self.kernel = TransitionKernel(
             num_blocks,
             enable_caching=enable_caching,
             zero_policy=zero_policy,
             record_events=record_events,
             block_type=block_type,
         )
-        self._requests: dict[str, RequestRecord] = {}
-        self._tiers = TierLedger()
+        self.requests: dict[str, RequestRecord] = {}
+        self.tiers = TierLedger()
 
-    def _record(self, request_id: str) -> RequestRecord:
+    def record(self, request_id: str) -> RequestRecord:
         try:
-            return self._requests[request_id]
+            return self.requests[request_id]
         except (KeyError, TypeError):  # TypeError: unhashable, not a str
             raise UnknownRequestError(arguments.request_id(request_id)) from None
 
-    def _live_record(self, request_id: str) -> RequestRecord:
-        rec = self._record(request_id)
+    def live_record(self, request_id: str) -> RequestRecord:
+        rec = self.record(request_id)
         if rec.aborted:
             raise RequestAbortedError(
                 f"request {request_id!r} was aborted by a failed step; free() it, or "
@@ -90,9 +87,9 @@ class PoolCore:
             )
         return rec
 
-    def _block(self, block_id: int) -> Block:
+    def block(self, block_id: int) -> Block:
         if type(block_id) is not int or not 0 <= block_id < self.num_blocks:
             raise UnknownBlockError(
                 f"block id {block_id!r} is outside this pool (0..{self.num_blocks - 1})"
             )
-        return self._kernel.blocks[block_id]
+        return self.kernel.blocks[block_id]

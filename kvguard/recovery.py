@@ -15,8 +15,15 @@ from kvguard.results import SlotRange, TailRollback
 from kvguard.states import MATCHABLE_STATES
 
 
-class Recovery(PoolCore):
+class Recovery:
     """Rolling a request back to its validated boundary (``zero_request_tail``)."""
+
+    __slots__ = ("_block_size", "_core", "_kernel")
+
+    def __init__(self, core: PoolCore) -> None:
+        self._core = core
+        self._kernel = core.kernel
+        self._block_size = core.block_size
 
     def zero_request_tail(self, request_id: str, num_tokens: int | None = None) -> TailRollback:
         """Roll the request back so it can resume from its surviving KV.
@@ -32,7 +39,7 @@ class Recovery(PoolCore):
         generate them again); a request opened with caller-supplied ``block_hashes``
         keeps its hash list, so its caller must not resume with different tokens.
         """
-        rec = self._record(request_id)
+        rec = self._core.record(request_id)
         old = rec.num_written
         if num_tokens is None:
             boundary = rec.num_validated
@@ -50,7 +57,7 @@ class Recovery(PoolCore):
                     f"({rec.num_validated}) come from a failed step or were computed on "
                     "invalidated KV, and cannot be kept"
                 )
-        size = self.block_size
+        size = self._block_size
         kernel = self._kernel
         blocks = kernel.blocks
         table = rec.blocks

@@ -1,7 +1,7 @@
 """Request-level operations: admission, prefix hits, the write/validate ledger, release.
 
 The engine names a request and a token count; the pool keeps the block table and the
-ledger (see :mod:`kvguard.ledger`), publishes only what validated, and aborts a request
+ledger (see :mod:`kvguard.request_record`), publishes only what validated, and aborts a request
 alone when one of its steps fails.
 """
 
@@ -25,14 +25,20 @@ from kvguard.hashing import BlockHash
 from kvguard.pool_core import PoolCore, _cdiv
 from kvguard.request_record import RequestRecord
 from kvguard.results import PrefixHit, RequestProgress, StepOutcome, StepResult, TokenRange
-from kvguard.states import MATCHABLE_STATES, BlockState
-
-_WRITTEN = BlockState.WRITTEN
+from kvguard.states import MATCHABLE_STATES
 
 
-class RequestSteps(PoolCore):
+class RequestSteps:
     """The request-level API: the engine names a request; the pool keeps its blocks
     and its write/validate ledger."""
+
+    __slots__ = ("_block_size", "_core", "_kernel", "_requests")
+
+    def __init__(self, core: PoolCore) -> None:
+        self._core = core
+        self._kernel = core.kernel
+        self._requests = core.requests
+        self._block_size = core.block_size
 
     def add_request(
         self,
@@ -78,7 +84,7 @@ class RequestSteps(PoolCore):
         Validated full blocks that were waiting for their token ids to be hashed are
         published now; returns their ids.
         """
-        rec = self._record(request_id)
+        rec = self._core.record(request_id)
         rec.token_ids.extend(arguments.token_array(token_ids))
         return self._publish_ready(rec)
 
@@ -86,7 +92,7 @@ class RequestSteps(PoolCore):
         self, request_id: str, block_hashes: Sequence[BlockHash]
     ) -> tuple[int, ...]:
         """Extend a request opened with ``block_hashes``; publishes what became ready."""
-        rec = self._record(request_id)
+        rec = self._core.record(request_id)
         if not rec.explicit_hashes:
             raise PoolMisuseError(
                 f"request {request_id!r} hashes its token ids; use append_tokens()"
@@ -101,8 +107,8 @@ class RequestSteps(PoolCore):
         (engines keep at least one prompt token to compute). Takes no reference: pass
         the hit to :meth:`allocate`, which refuses it if it went stale meanwhile.
         """
-        rec = self._record(request_id)
-        size = self.block_size
+        rec = self._core.record(request_id)
+        size = self._block_size
         limit = len(rec.block_hashes) * size if rec.explicit_hashes else len(rec.token_ids)
         if max_tokens is not None:
             arguments.count("max_tokens", max_tokens)
@@ -110,7 +116,7 @@ class RequestSteps(PoolCore):
         ids: list[int] = []
         gens: list[int] = []
         kernel = self._kernel
-        if self.enable_caching:
+        if self._kernel.enable_caching:
             index = kernel.index
             blocks = kernel.blocks
             for block_hash in self._hash_blocks(rec, limit // size)[: limit // size]:
@@ -137,9 +143,9 @@ class RequestSteps(PoolCore):
         hashes = rec.block_hashes
         if rec.explicit_hashes or len(hashes) >= n:
             return hashes
-        size = self.block_size
+        size = self._block_size
         tokens = rec.token_ids
-        hasher = self._hasher
+        hasher = self._core.hasher
         salt = rec.salt
         parent = hashes[-1] if hashes else None
         for j in range(len(hashes), min(n, len(tokens) // size)):
@@ -182,7 +188,7 @@ class RequestSteps(PoolCore):
         self, request_id: str, num_tokens: int, *, hit: PrefixHit | None = None
     ) -> bool:
         """True if :meth:`allocate` with the same arguments would find enough blocks."""
-        rec = self._record(request_id)
+        rec = self._core.record(request_id)
         arguments.count("num_tokens", num_tokens)
         if hit is not None:
             hit = self._check_hit(rec, hit)
@@ -197,7 +203,7 @@ class RequestSteps(PoolCore):
             # A hit on an evictable block takes it out of the free queue.
             blocks = self._kernel.blocks
             pinned = sum(1 for b in hit.block_ids if blocks[b].ref_cnt == 0)
-        need = _cdiv(num_tokens, self.block_size) - have
+        need = _cdiv(num_tokens, self._block_size) - have
         return need - (self._kernel.free.size - pinned)
 
     def allocate(
@@ -210,7 +216,7 @@ class RequestSteps(PoolCore):
         blocks; those that need zeroing are queued for ``take_blocks_to_zero``.
         Raises :class:`OutOfBlocksError` (changing nothing) when blocks run out.
         """
-        rec = self._live_record(request_id)
+        rec = self._core.live_record(request_id)
         arguments.count("num_tokens", num_tokens)
         if hit is not None:
             hit = self._check_hit(rec, hit)
@@ -220,7 +226,7 @@ class RequestSteps(PoolCore):
                 )
         short = self._blocks_short(rec, num_tokens, hit)
         if short > 0:
-            need = _cdiv(num_tokens, self.block_size) - len(rec.blocks)
+            need = _cdiv(num_tokens, self._block_size) - len(rec.blocks)
             raise OutOfBlocksError(need, need - short)
         kernel = self._kernel
         if hit is not None and hit.block_ids:
@@ -228,7 +234,7 @@ class RequestSteps(PoolCore):
             rec.blocks.extend(hit.block_ids)
             rec.num_written = rec.num_validated = hit.num_tokens
             rec.publish_cursor = len(hit.block_ids)
-        need = _cdiv(num_tokens, self.block_size) - len(rec.blocks)
+        need = _cdiv(num_tokens, self._block_size) - len(rec.blocks)
         if need <= 0:  # (most decode steps: the last block has room)
             return ()
         new = kernel.allocate(need, False, False)
@@ -241,11 +247,11 @@ class RequestSteps(PoolCore):
         The blocks it touches become WRITTEN: not matchable, not storable, until
         :meth:`validate_step` confirms this step. Returns the step's token range.
         """
-        rec = self._live_record(request_id)
+        rec = self._core.live_record(request_id)
         arguments.count("num_tokens", num_tokens)
         if num_tokens == 0:
             raise PoolMisuseError("a step writes at least one token (num_tokens=0)")
-        size = self.block_size
+        size = self._block_size
         start = rec.num_written
         end = start + num_tokens
         if end > len(rec.blocks) * size:
@@ -256,7 +262,7 @@ class RequestSteps(PoolCore):
             )
         kernel = self._kernel
         kernel.write(rec.blocks, start // size, (end - 1) // size)
-        if self.enable_caching:
+        if self._kernel.enable_caching:
             # Blocks this step fills: vLLM 0.33 would publish them now, unvalidated.
             kernel.counters.withheld_publications += end // size - start // size
         rec.num_written = end
@@ -271,19 +277,13 @@ class RequestSteps(PoolCore):
             return self._discard(rec)
         start = rec.num_validated
         rec.num_validated = end
-        size = self.block_size
+        size = self._block_size
         written = rec.num_written
         kernel = self._kernel
-        blocks = kernel.blocks
-        table = rec.blocks
-        # Only blocks none of whose written tokens is still in flight.
-        kernel.validate(
-            [
-                table[i]
-                for i in range(start // size, (end - 1) // size + 1)
-                if blocks[table[i]].state is _WRITTEN and min((i + 1) * size, written) <= end
-            ]
-        )
+        # Only blocks none of whose written tokens is still in flight: all the step
+        # wrote into when no later step is in flight, else those it filled.
+        last = (end - 1) // size if written <= end else end // size - 1
+        kernel.validate(rec.blocks, start // size, last)
         kernel.counters.steps_validated += 1
         published = self._publish_ready(rec)
         return StepResult(
@@ -292,7 +292,7 @@ class RequestSteps(PoolCore):
 
     def _publish_ready(self, rec: RequestRecord) -> tuple[int, ...]:
         """Publish the request's full, validated, hashable blocks, in prefix order."""
-        size = self.block_size
+        size = self._block_size
         limit = rec.num_validated // size
         cursor = rec.publish_cursor
         if cursor >= limit:
@@ -309,7 +309,7 @@ class RequestSteps(PoolCore):
         if not published:
             return ()
         ids = tuple(published)
-        if self.record_events:
+        if self._kernel.record_events:
             kernel.events.append(
                 BlockStored(rec.request_id, tuple(published_hashes), ids, first_parent)
             )
@@ -319,7 +319,7 @@ class RequestSteps(PoolCore):
         """The request and the end of the step this result is for (its oldest in
         flight), taken off the ledger; None when the result is to be discarded (the
         step was in flight when the request aborted)."""
-        rec = self._record(request_id)
+        rec = self._core.record(request_id)
         if rec.discarded:
             return rec, None
         if rec.aborted:
@@ -349,7 +349,7 @@ class RequestSteps(PoolCore):
             return self._discard(rec)
         tokens = TokenRange(rec.num_validated, end)
         kernel = self._kernel
-        quarantined = kernel.fail(rec.blocks[rec.num_validated // self.block_size :])
+        quarantined = kernel.fail(rec.blocks[rec.num_validated // self._block_size :])
         rec.discarded = rec.pending
         rec.pending = deque()
         rec.aborted = True
@@ -357,7 +357,7 @@ class RequestSteps(PoolCore):
         counters.steps_failed += 1
         counters.requests_aborted += 1
         ids = tuple(quarantined)
-        if self.record_events:
+        if self._kernel.record_events:
             kernel.events.append(RequestAborted(request_id, rec.num_validated, ids))
         return StepResult(
             request_id, StepOutcome.FAILED, tokens, rec.num_validated, quarantined=ids
@@ -370,17 +370,17 @@ class RequestSteps(PoolCore):
         matchable as eviction candidates; the rest return to the free queue. Tail
         blocks are released first so that they are evicted before the shared prefix.
         """
-        rec = self._record(request_id)
+        rec = self._core.record(request_id)
         del self._requests[request_id]
         self._kernel.release_table(rec.blocks, rec.retention)
 
     def block_table(self, request_id: str) -> tuple[int, ...]:
         """The request's block ids, in token order."""
-        return tuple(self._record(request_id).blocks)
+        return tuple(self._core.record(request_id).blocks)
 
     def progress(self, request_id: str) -> RequestProgress:
         """Where the request's write/validate ledger stands."""
-        rec = self._record(request_id)
+        rec = self._core.record(request_id)
         return RequestProgress(
             request_id,
             num_blocks=len(rec.blocks),
@@ -389,7 +389,3 @@ class RequestSteps(PoolCore):
             num_pending_steps=len(rec.pending) + len(rec.discarded),
             aborted=rec.aborted,
         )
-
-    @property
-    def request_ids(self) -> tuple[str, ...]:
-        return tuple(self._requests)

@@ -16,13 +16,22 @@ from kvguard.results import InvalidationReport, StoreTicket
 from kvguard.states import STORABLE_STATES, BlockState
 
 
-class TierGate(PoolCore):
+class TierGate:
     """Offload admission after validation, store acknowledgements, taint by hash."""
+
+    __slots__ = ("_block_size", "_core", "_kernel", "_requests", "_tiers")
+
+    def __init__(self, core: PoolCore) -> None:
+        self._core = core
+        self._kernel = core.kernel
+        self._requests = core.requests
+        self._tiers = core.tiers
+        self._block_size = core.block_size
 
     def storable_blocks(self, request_id: str, tier: str = "default") -> tuple[int, ...]:
         """The request's blocks that may be copied to ``tier`` now: validated, full,
         hashed, and not already stored or being stored there."""
-        rec = self._record(request_id)
+        rec = self._core.record(request_id)
         arguments.tier(tier)
         blocks = self._kernel.blocks
         holds = self._tiers.holds
@@ -37,8 +46,8 @@ class TierGate(PoolCore):
 
     def begin_store(self, block_id: int, tier: str = "default") -> StoreTicket:
         """Start copying a validated block to ``tier``; raises unless VALIDATED or later."""
-        if type(block_id) is not int or not 0 <= block_id < self.num_blocks:
-            self._block(block_id)  # raises UnknownBlockError
+        if type(block_id) is not int or not 0 <= block_id < self._core.num_blocks:
+            self._core.block(block_id)  # raises UnknownBlockError
         if type(tier) is not str:
             arguments.tier(tier)
         block = self._kernel.blocks[block_id]
@@ -130,7 +139,7 @@ class TierGate(PoolCore):
         tier_copies = [
             (tier, block_hash) for block_hash in targets for tier in self._tiers.purge(block_hash)
         ]
-        if removed and self.record_events:
+        if removed and self._kernel.record_events:
             kernel.events.append(
                 BlockRemoved(tuple(h for h, _ in removed), tuple(i for _, i in removed))
             )
@@ -174,7 +183,7 @@ class TierGate(PoolCore):
     def _abort_tainted(self, rec: RequestRecord, first: int) -> None:
         """Abort a request whose block ``first`` was tainted: nothing it computed from
         there on counts as validated, and its in-flight results will be discarded."""
-        size = self.block_size
+        size = self._block_size
         rec.num_validated = min(rec.num_validated, first * size)
         rec.publish_cursor = min(rec.publish_cursor, first)
         rec.discarded.extend(rec.pending)
@@ -183,7 +192,7 @@ class TierGate(PoolCore):
         if not rec.aborted:
             rec.aborted = True
             kernel.counters.requests_aborted += 1
-        if self.record_events:
+        if self._kernel.record_events:
             blocks = kernel.blocks
             quarantined = tuple(
                 b for b in rec.blocks[first:] if blocks[b].state is BlockState.QUARANTINED

@@ -592,12 +592,15 @@ class TransitionKernel:
                 self._move(block, _WRITE)
             writers[block.block_id] = writers.get(block.block_id, 0) + 1
 
-    def validate(self, block_ids: Sequence[int]) -> None:
-        """A request's step passed: these blocks, all of whose written tokens it
-        covered, become VALIDATED (the caller picked the WRITTEN ones)."""
+    def validate(self, table: Sequence[int], first: int, last: int) -> None:
+        """A request's step passed, covering every written token of its blocks
+        ``table[first:last + 1]``: the WRITTEN ones among them become VALIDATED (the
+        others are validated already, or a prefix hit)."""
         blocks = self.blocks
-        for block_id in block_ids:
-            blocks[block_id].state = _VALIDATED_FROM_WRITTEN
+        for i in range(first, last + 1):
+            block = blocks[table[i]]
+            if block.state is _WRITTEN:
+                block.state = _VALIDATED_FROM_WRITTEN
 
     def publish_chain(
         self, block_ids: Sequence[int], hashes: Sequence[BlockHash], first_parent: BlockHash | None

@@ -87,3 +87,63 @@ def test_readers_change_nothing() -> None:
         before = pool.snapshot()
         getattr(pool, name)(*arguments.get(name, ()))
         assert pool.snapshot() == before, name
+
+
+def test_the_pool_is_composed_of_facades_that_reach_no_other() -> None:
+    """Each façade is an object of its own class over the shared core; the pool's
+    methods are the façades' bound methods (no forwarding frame on a call), or, called
+    on the class, forward to them; no façade module imports another or the pool."""
+    import ast
+    import inspect
+
+    from kvguard.pool import _FACADE_OF
+
+    pool = kvguard.BlockPool(8, 4)
+    facades = {"_request_steps", "_block_steps", "_tier_gate", "_recovery"}
+    assert set(_FACADE_OF.values()) == facades
+    for name, facade in _FACADE_OF.items():
+        bound = getattr(pool, name)
+        assert bound.__self__ is getattr(pool, facade), name
+        assert bound.__func__ is inspect.unwrap(getattr(kvguard.BlockPool, name)), name
+    (a, b) = kvguard.BlockPool.allocate_blocks(pool, 2)  # the class attribute forwards
+    assert pool.block_info(a).ref_cnt == pool.block_info(b).ref_cnt == 1
+    cores = {id(getattr(pool, facade)._core) for facade in facades}
+    assert cores == {id(pool._core)}
+
+    modules = ["request_steps", "block_steps", "tier_gate", "recovery"]
+    root = Path(kvguard.__file__).parent
+    for module in modules:
+        tree = ast.parse((root / f"{module}.py").read_text())
+        imported = {
+            node.module
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module is not None
+        }
+        reached = imported & {f"kvguard.{m}" for m in [*modules, "pool"]}
+        assert not reached, f"{module} imports {reached}"
+
+
+def test_a_subclass_override_is_not_shadowed_by_the_facade_binding() -> None:
+    calls: list[int] = []
+
+    class Counting(kvguard.BlockPool):
+        def allocate_blocks(self, num_blocks: int, *, write: bool = False) -> list[int]:
+            calls.append(num_blocks)
+            return super().allocate_blocks(num_blocks, write=write)
+
+    pool = Counting(8, 4)
+    assert len(pool.allocate_blocks(3)) == 3
+    assert calls == [3]
+
+
+def test_the_settings_are_read_only() -> None:
+    """Fixed at construction: the kernel applies them, so the pool cannot change them."""
+    import pytest
+
+    pool = kvguard.BlockPool(8, 4, enable_caching=False, record_events=False)
+    assert (pool.num_blocks, pool.block_size) == (8, 4)
+    assert (pool.enable_caching, pool.record_events) == (False, False)
+    assert pool.zero_policy is kvguard.ZeroPolicy.SUSPECT
+    for name in ("num_blocks", "block_size", "enable_caching", "zero_policy", "record_events"):
+        with pytest.raises(AttributeError):
+            setattr(pool, name, getattr(pool, name))
