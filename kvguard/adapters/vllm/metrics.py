@@ -100,11 +100,8 @@ class _GuardCollector:
             yield counter
         merged: dict[str, Any] = {}
         for key, scheduler in live:
-            core = scheduler.kvguard_pool.core
-            if core is None:
-                continue
             family: Any
-            for family in PoolCollector(core, labels={LABEL: key}).collect():
+            for family in PoolCollector(scheduler.kvguard_pool.core, labels={LABEL: key}).collect():
                 if family.name in merged:
                     merged[family.name].samples.extend(family.samples)
                 else:
