@@ -402,7 +402,7 @@ FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
 }
 
 /* Evict `count` cached blocks from the free queue's lowest retention classes, as
- * FreeQueue.take and PoolCore._evict do (the caller checked they are there): their ids
+ * FreeQueue.take and TransitionKernel._evict do (the caller checked they are there): their ids
  * are set in ids[start:], each block EVICTed (its hash leaves the index), and one
  * BlockRemoved event appended to `events` unless it is None. */
 static int
@@ -589,7 +589,7 @@ FastPath_allocate(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t taken = num_quarantined + num_empty;
     if (taken < n && evict_into(self, ids, taken, n - taken, events) < 0)
         goto error;
-    PyObject *one = PyLong_FromLong(1), *zero = PyLong_FromLong(0);
+    PyObject *one = self->one_int, *zero = self->zero_int; /* borrowed */
     PyObject *state = write ? self->st_written_from_allocated : self->st_allocated;
     int failed = 0;
     for (Py_ssize_t k = 0; k < n && !failed; k++) {
@@ -609,8 +609,6 @@ FastPath_allocate(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
         }
         failed = add_to_field(block, self->off_generation, generation, 1) < 0;
     }
-    Py_DECREF(one);
-    Py_DECREF(zero);
     if (failed)
         goto error;
     return ids;
@@ -766,9 +764,9 @@ FastPath_release(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
         if (bump_field(self->free_queue, self->off_size, num_freed) < 0)
             goto error;
     }
-    /* WRITTEN --RELEASE--> QUARANTINED (PoolCore._quarantine: its step can never be
+    /* WRITTEN --RELEASE--> QUARANTINED (TransitionKernel._quarantine: its step can never be
      * validated now), and a held QUARANTINED block let go; both join the queue of
-     * blocks reused first, in release order (PoolCore._drop_last_refs). */
+     * blocks reused first, in release order (TransitionKernel._drop_last_refs). */
     Py_ssize_t num_quarantined = PyList_GET_SIZE(quarantined);
     if (num_quarantined) {
         long generation, newly = 0;
@@ -881,7 +879,7 @@ FastPath_validate(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
             break; /* not a (bytes hash, parent, owner): the Python path decides */
         if (pending != Py_None && PySet_GET_SIZE(self->tainted)) {
             /* A tainted hash, or one chained on it: the Python path refuses or
-             * clears the taint (BlockSteps._validate_and_publish). */
+             * clears the taint (TransitionKernel.validate_held). */
             int hit = PySet_Contains(self->tainted, PyTuple_GET_ITEM(pending, 0));
             if (hit == 0)
                 hit = PySet_Contains(self->tainted, PyTuple_GET_ITEM(pending, 1));
