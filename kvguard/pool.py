@@ -115,8 +115,8 @@ def _forwarded(
     What the class carries (its signature and docstring are the façade method's, for
     readers, ``help()`` and type checkers). A pool calls the façade's bound method
     directly: ``BlockPool.__init__`` binds it on the instance (no forwarding frame on
-    the hot paths); this function runs only when the class attribute is called, as
-    ``BlockPool.allocate(pool, ...)``.
+    the hot paths); the forwarder built here runs only when the class attribute is
+    called, as ``BlockPool.allocate(pool, ...)``.
     """
     name = method.__name__
     _FACADE_OF[name] = facade
