@@ -116,7 +116,7 @@ class RequestSteps:
         ids: list[int] = []
         gens: list[int] = []
         kernel = self._kernel
-        if self._kernel.enable_caching:
+        if kernel.enable_caching:
             index = kernel.index
             blocks = kernel.blocks
             for block_hash in self._hash_blocks(rec, limit // size)[: limit // size]:
@@ -262,7 +262,7 @@ class RequestSteps:
             )
         kernel = self._kernel
         kernel.write(rec.blocks, start // size, (end - 1) // size)
-        if self._kernel.enable_caching:
+        if kernel.enable_caching:
             # Blocks this step fills: vLLM 0.33 would publish them now, unvalidated.
             kernel.counters.withheld_publications += end // size - start // size
         rec.num_written = end
@@ -309,7 +309,7 @@ class RequestSteps:
         if not published:
             return ()
         ids = tuple(published)
-        if self._kernel.record_events:
+        if kernel.record_events:
             kernel.events.append(
                 BlockStored(rec.request_id, tuple(published_hashes), ids, first_parent)
             )
@@ -357,7 +357,7 @@ class RequestSteps:
         counters.steps_failed += 1
         counters.requests_aborted += 1
         ids = tuple(quarantined)
-        if self._kernel.record_events:
+        if kernel.record_events:
             kernel.events.append(RequestAborted(request_id, rec.num_validated, ids))
         return StepResult(
             request_id, StepOutcome.FAILED, tokens, rec.num_validated, quarantined=ids

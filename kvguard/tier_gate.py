@@ -139,7 +139,7 @@ class TierGate:
         tier_copies = [
             (tier, block_hash) for block_hash in targets for tier in self._tiers.purge(block_hash)
         ]
-        if removed and self._kernel.record_events:
+        if removed and kernel.record_events:
             kernel.events.append(
                 BlockRemoved(tuple(h for h, _ in removed), tuple(i for _, i in removed))
             )
@@ -192,7 +192,7 @@ class TierGate:
         if not rec.aborted:
             rec.aborted = True
             kernel.counters.requests_aborted += 1
-        if self._kernel.record_events:
+        if kernel.record_events:
             blocks = kernel.blocks
             quarantined = tuple(
                 b for b in rec.blocks[first:] if blocks[b].state is BlockState.QUARANTINED
