@@ -258,6 +258,7 @@ class Run:
 
     def __init__(self) -> None:
         self.steps: list[float] = []
+        self.turns = 0
         self.parts: dict[str, float] = dict.fromkeys(PARTS, 0.0)
         self.more = True
         self.result: dict[str, Any] = {}
@@ -285,6 +286,7 @@ def run_in_turns(
             engines[name].send(f"go {turn_steps}")
             answer = engines[name].read()
             run.steps += answer["turn"]
+            run.turns += 1
             for part, seconds in answer["parts"].items():
                 run.parts[part] += seconds
             run.more = answer["more"]
@@ -356,7 +358,7 @@ def main() -> None:
         parts: dict[str, dict[str, list[float]]] = {
             name: {part: [] for part in (*PARTS, "rest")} for name in ("stock", "guarded")
         }
-        work: dict[str, set[tuple[int, int]]] = {"stock": set(), "guarded": set()}
+        work: dict[str, set[tuple[int, int, int]]] = {"stock": set(), "guarded": set()}
         digests: set[object] = set()
         turn = 0
         for e in range(args.engines):
@@ -392,7 +394,7 @@ def main() -> None:
                             f"{name}: finish reasons {run.result['finish']} on a clean trace"
                         )
                     digests.add(run.result["digest"])
-                    work[name].add((len(run.steps), run.result["cached"]))
+                    work[name].add((len(run.steps), run.turns, run.result["cached"]))
                     rate[name] = run.result["tokens"] / run.seconds
                     rates[name].append(rate[name])
                     for part, seconds in run.parts.items():
@@ -412,7 +414,9 @@ def main() -> None:
     for name, seen in work.items():
         print(
             f"work per run, {name}: "
-            + ", ".join(f"{s} steps, {c} prefix-cached tokens" for s, c in sorted(seen))
+            + ", ".join(
+                f"{s} steps in {t} turns, {c} prefix-cached tokens" for s, t, c in sorted(seen)
+            )
         )
     if work["stock"] != work["guarded"] or len(work["stock"]) != 1:
         print("  (not the same work: the ratio compares different step counts or hits)")
