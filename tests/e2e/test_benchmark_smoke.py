@@ -35,3 +35,4 @@ def test_one_pair_stock_and_guarded() -> None:
         assert re.search(rf"^  {part} +stock +[\d.]+  guarded +[\d.]+  [\d.]+$", out, re.M), out
     assert re.search(r"ratio guarded/stock, every run: median [\d.]+ \(min", out)
     assert re.search(r"geometric mean of the engine pairs' medians: [\d.]+ ", out)
+    assert re.search(r"counted at stock's time in the same run: [\d.]+ \(engine pairs", out)
