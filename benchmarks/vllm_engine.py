@@ -14,9 +14,9 @@ runs in turn (``--turn-steps 1000``) measure mostly that drift: stock against st
 ranged 0.65-1.29 per run pair. Turns of 16 steps (~60 ms) put both engines under the
 same drift; the first step of each turn is slower on both (the process's threads wake
 up). One process can also run steadily faster than another for reasons of its own
-(memory layout), so ``--engines`` pairs of processes are started afresh, the stock or
-the guarded one started first by turns, and the geometric mean of the engine pairs'
-median ratios is the figure.
+(not the garbage collector: vLLM freezes it), so ``--engines`` pairs of processes
+are started afresh, the stock or the guarded one started first by turns, and the
+geometric mean of the engine pairs' median ratios is the figure.
 
 Printed: each run's output tokens/s (tokens over the summed step times) and the ratio
 guarded/stock; per engine pair the median ratio; the geometric mean over the engine
