@@ -47,6 +47,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from kvguard.adapters.vllm._compat import runner_output_rows
 from kvguard.adapters.vllm.scheduler import GuardedAsyncScheduler, GuardedScheduler
 
 BLOCK = 16
@@ -223,8 +224,7 @@ def model_output(
     counts = {req_id: 0 for req_id in req_ids}
     counts.update(nans or {})
     return ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        **runner_output_rows(req_ids),
         sampled_token_ids=sampled,
         num_nans_in_logits=counts,
     )

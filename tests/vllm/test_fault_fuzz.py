@@ -565,7 +565,7 @@ class FaultTrace:
         for req_id, w in writers.items():
             drafts = self.drafts.pop(w, [])
             accepted = _accepted(drafts)
-            index = output.req_id_to_index[req_id]
+            index = output.req_ids.index(req_id)
             if rows[index]:
                 rows[index] = [TOKEN] * (accepted + 1)
             if drafts:

@@ -20,6 +20,8 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
+from kvguard.adapters.vllm._compat import runner_output_rows  # noqa: E402
+
 from .harness import _HASHER, BLOCK, finish_reasons, make_scheduler  # noqa: E402
 
 
@@ -38,8 +40,7 @@ def _pooler_output(so: object, done: set[str]) -> ModelRunnerOutput:
     complete, no sampled tokens, and no NaN counts."""
     req_ids = list(so.num_scheduled_tokens)  # type: ignore[attr-defined]
     return ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        **runner_output_rows(req_ids),
         sampled_token_ids=[[] for _ in req_ids],
         pooler_output=[torch.ones(4) if r in done else None for r in req_ids],
         num_nans_in_logits=None,

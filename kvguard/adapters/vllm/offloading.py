@@ -43,7 +43,11 @@ from collections.abc import Collection
 from itertools import chain
 from typing import Any
 
-from kvguard.adapters.vllm._compat import offload_hooks_are_locked, require_supported_vllm
+from kvguard.adapters.vllm._compat import (
+    offload_hooks_are_locked,
+    require_supported_vllm,
+    store_job_failed,
+)
 
 require_supported_vllm()
 
@@ -340,9 +344,25 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
                 if job_id not in tickets:
                     continue
                 status = self._jobs.get(job_id)
-                if status is None or status.pending_count > count:
-                    continue  # other workers still copying
-                self._kvguard_acknowledge(job_id, status)
+                if status is None:
+                    continue
+                if store_job_failed(meta, job_id, status):
+                    # vLLM drops a failed job's copies (once every worker reported):
+                    # kvguard records none, now.
+                    self._kvguard_fail_job(job_id)
+                elif status.pending_count <= count:  # else other workers still copying
+                    self._kvguard_acknowledge(job_id, status)
+
+    def _kvguard_fail_job(self, job_id: int) -> None:
+        """A worker reports the store job failed (vLLM 0.34): its tickets fail, and no
+        chunk of it is recorded as a tier copy."""
+        by_key = self._kvguard_tickets.pop(job_id)
+        pool = self.kvguard_pool()
+        if pool is not None:
+            for taken in by_key.values():
+                for ticket in taken:
+                    pool.core.fail_store(ticket)
+        self.kvguard_counters["offload_store_jobs_failed"] += 1
 
     def _kvguard_acknowledge(self, job_id: int, status: Any) -> None:
         """Every worker finished the job: register its copies in kvguard; a chunk
@@ -368,7 +388,8 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
         counters["offload_chunks_stored"] += len(by_key) - len(discard)
         if discard:
             counters["offload_chunks_discarded"] += len(discard)
-            status.keys.difference_update(discard)
+            # (The job's keys: a set before vLLM 0.34, a tuple in prefix order since.)
+            status.keys = type(status.keys)(k for k in status.keys if k not in discard)
             req_status = self._req_status[status.req_id]
             self.manager.complete_store(discard, req_status.req_context, success=False)
 

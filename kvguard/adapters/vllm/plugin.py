@@ -47,7 +47,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvguard.adapters.vllm import metrics, worker_nans
-from kvguard.adapters.vllm._compat import require_supported_vllm
+from kvguard.adapters.vllm._compat import (
+    has_v1_model_runner,
+    require_supported_vllm,
+    zeroing_is_a_field,
+)
 from kvguard.adapters.vllm.config import CONFIG_KEY, GuardConfig, GuardConfigError
 
 GUARD_ENV = "KVGUARD_GUARD"
@@ -173,6 +177,20 @@ def _worker_report(wrapper: Any) -> dict[str, bool]:
     }
 
 
+_checked: tuple[int, int] | None = None
+"""(``id`` of the vLLM config, workers) of the last :func:`check_workers` that passed
+in this process: the engine core checks its workers before it builds its scheduler."""
+
+
+def workers_checked(vllm_config: Any) -> int | None:
+    """How many workers :func:`check_workers` found with the guard in force for the
+    engine of ``vllm_config``; None when it did not check them (a scheduler built
+    without the plugin's start-up check, or a pooling model)."""
+    if _checked is None or _checked[0] != id(vllm_config):
+        return None
+    return _checked[1]
+
+
 _MISSING = {
     "guard": "kvguard's plugin did not switch the guard on there",
     "nan_counting": f"it does not count NaN logits ({NAN_SETTING} is off there)",
@@ -183,7 +201,9 @@ _MISSING = {
 
 def check_workers(collective_rpc: Any, vllm_config: Any) -> None:
     """Every worker counts NaN logits per request and built its block zeroer, or the
-    engine refuses to start. (Pooling models run unguarded: nothing to check.)"""
+    engine refuses to start. (Pooling models run unguarded: nothing to check.) How
+    many passed is kept for the scheduler's start-up line (:func:`workers_checked`)."""
+    global _checked
     from kvguard.adapters.vllm.scheduler import is_pooling_model
 
     if is_pooling_model(vllm_config):
@@ -214,14 +234,18 @@ def check_workers(collective_rpc: Any, vllm_config: Any) -> None:
             + "; ".join(problems)
             + ". The engine does not start half-guarded."
         )
+    _checked = (id(vllm_config), len(reports))
 
 
 def worker_zeroes_blocks(runner: Any) -> bool:
-    """Whether the model runner applies ``new_block_ids_to_zero``: vLLM's GPU runners
-    only once they built their ``KVBlockZeroer`` (else they skip the list silently);
-    the CPU runner zeroes with its own ``_zero_block_ids``, no zeroer object."""
-    if hasattr(runner, "_kv_block_zeroer"):
+    """Whether the model runner applies ``new_block_ids_to_zero``: vLLM's V2 runners
+    once they built their ``kv_block_zeroer``, V1's GPU runner its ``_kv_block_zeroer``
+    (else they skip the list silently); V1's CPU runner zeroes with its own
+    ``_zero_block_ids``, no zeroer object."""
+    if getattr(runner, "kv_block_zeroer", None) is not None or hasattr(runner, "_kv_block_zeroer"):
         return True
+    if not has_v1_model_runner():
+        return False
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     own = getattr(type(runner), "_zero_block_ids", None)
@@ -235,7 +259,26 @@ def _mark(patched: Any, stock: Any) -> None:
 
 
 def _patch_zeroing() -> None:
+    """``KVCacheConfig.needs_kv_cache_zeroing`` true: kvguard's scheduler sends
+    quarantined blocks in ``new_block_ids_to_zero``, and the workers build their
+    zeroer to apply them only then. vLLM's own answer stays readable
+    (:func:`stock_needs_zeroing`)."""
     from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    if zeroing_is_a_field():
+        # 0.34: a field that __post_init__ sets; vLLM's value is kept beside it.
+        stock_post_init = KVCacheConfig.__post_init__
+        if getattr(stock_post_init, _MARK, False):
+            return
+
+        def __post_init__(self: Any) -> None:
+            stock_post_init(self)
+            self._kvguard_stock_zeroing = self.needs_kv_cache_zeroing
+            self.needs_kv_cache_zeroing = True
+
+        _mark(__post_init__, stock_post_init)
+        KVCacheConfig.__post_init__ = __post_init__
+        return
 
     current = KVCacheConfig.__dict__["needs_kv_cache_zeroing"]
     if getattr(current.fget, _MARK, False):
@@ -243,18 +286,20 @@ def _patch_zeroing() -> None:
     stock = current.fget
 
     def needs_kv_cache_zeroing(self: Any) -> bool:
-        # kvguard's scheduler sends quarantined blocks in new_block_ids_to_zero;
-        # the worker must build its zeroer to apply them.
         return True
 
-    setattr(needs_kv_cache_zeroing, _MARK, True)
-    needs_kv_cache_zeroing.__wrapped__ = stock  # type: ignore[attr-defined]
-    needs_kv_cache_zeroing.__doc__ = stock.__doc__
+    _mark(needs_kv_cache_zeroing, stock)
     KVCacheConfig.needs_kv_cache_zeroing = property(needs_kv_cache_zeroing)
 
 
 def stock_needs_zeroing(kv_cache_config: Any) -> bool:
     """What vLLM itself decides for ``kv_cache_config`` (the plugin's patch undone)."""
+    if zeroing_is_a_field():
+        return bool(
+            getattr(
+                kv_cache_config, "_kvguard_stock_zeroing", kv_cache_config.needs_kv_cache_zeroing
+            )
+        )
     prop = type(kv_cache_config).__dict__.get("needs_kv_cache_zeroing")
     fget = getattr(prop, "fget", None)
     if fget is None:
