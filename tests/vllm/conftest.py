@@ -44,3 +44,44 @@ def per_request_nans(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         monkeypatch.setattr(v2.GPUModelRunner, "sample", v2.GPUModelRunner.sample)
     worker_nans.install()
     yield
+
+
+def undo_plugin_patches_after(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What kvguard's plugin patches in vLLM (zeroing, the scheduler class, the
+    connector factory, the model runners' NaN counting) is put back when
+    ``monkeypatch`` undoes its changes."""
+    import sys
+
+    import vllm.v1.worker.gpu.model_runner as v2_runner
+    from vllm.config.scheduler import SchedulerConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from kvguard.adapters.vllm import worker_nans
+    from kvguard.adapters.vllm._compat import has_v1_model_runner, zeroing_is_a_field
+
+    if zeroing_is_a_field():
+        monkeypatch.setattr(KVCacheConfig, "__post_init__", KVCacheConfig.__post_init__)
+    else:
+        monkeypatch.setattr(
+            KVCacheConfig,
+            "needs_kv_cache_zeroing",
+            KVCacheConfig.__dict__["needs_kv_cache_zeroing"],
+        )
+    monkeypatch.setattr(SchedulerConfig, "get_scheduler_cls", SchedulerConfig.get_scheduler_cls)
+    monkeypatch.setattr(
+        KVConnectorFactory,
+        "get_connector_class",
+        KVConnectorFactory.__dict__["get_connector_class"],
+    )
+    monkeypatch.setattr(KVConnectorFactory, "_registry", dict(KVConnectorFactory._registry))
+    monkeypatch.setattr(worker_nans, "_installed", False)
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    monkeypatch.setattr(v2_runner.GPUModelRunner, "sample", v2_runner.GPUModelRunner.sample)
+    if has_v1_model_runner():
+        import vllm.v1.worker.gpu_model_runner as v1_runner
+
+        monkeypatch.setattr(v1_runner, "count_nans_per_row", v1_runner.count_nans_per_row)
+        runner = v1_runner.GPUModelRunner
+        monkeypatch.setattr(runner, "_bookkeeping_sync", runner._bookkeeping_sync)
+        monkeypatch.setattr(runner, "_get_nans_in_logits", runner._get_nans_in_logits)

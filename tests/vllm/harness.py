@@ -371,11 +371,15 @@ def connector_output(
     completed: Iterable[int] = (),
     recved: Iterable[str] = (),
     invalid: Iterable[int] = (),
+    failed: Iterable[int] = (),
 ) -> Any:
     """The model runner's output, with the workers' report of finished transfer jobs
-    (``invalid``: GPU blocks a load failed to fill)."""
+    (``invalid``: GPU blocks a load failed to fill; ``failed``: jobs of ``completed``
+    that failed, which only vLLM 0.34's workers report)."""
     mo = model_output(s, so, nans)
     meta: Any = OffloadingWorkerMetadata(completed_jobs=dict.fromkeys(completed, 1))
+    if failed:
+        meta.failed_jobs = set(failed)
     if isinstance(s.connector, MultiConnector):
         meta = MultiKVConnectorWorkerMetadata(metadata=(meta,))
     mo.kv_connector_output = KVConnectorOutput(

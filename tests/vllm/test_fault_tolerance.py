@@ -53,7 +53,11 @@ def _sentinel(scheduler: Any, batch_queue: deque[Any] | None) -> tuple[EngineCor
         output_queue=queue.Queue(),
     )
     engine._send_abort_outputs = engine.aborted.extend
-    config = SimpleNamespace(fault_tolerance_config=SimpleNamespace(engine_recovery_timeout_sec=1))
+    # The engine's parallel config (0.34 also reads data_parallel_size).
+    config = SimpleNamespace(
+        fault_tolerance_config=SimpleNamespace(engine_recovery_timeout_sec=1),
+        data_parallel_size=1,
+    )
     return EngineCoreSentinel(engine, config), engine
 
 

@@ -27,11 +27,13 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvguard import BlockHash, BlockState  # noqa: E402
 from kvguard.adapters.vllm import plugin  # noqa: E402
+from kvguard.adapters.vllm._compat import vllm_series  # noqa: E402
 from kvguard.adapters.vllm.offloading import (  # noqa: E402
     TIER,
     GuardedOffloadingConnector,
 )
 
+from .conftest import undo_plugin_patches_after  # noqa: E402
 from .harness import (  # noqa: E402
     BLOCK,
     finish_reasons,
@@ -70,6 +72,10 @@ def kvguard_hash(prompt: list[int], index: int) -> BlockHash:
 
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
+
+
+def store_failures_reported() -> bool:
+    return vllm_series() >= (0, 34)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -312,6 +318,32 @@ def test_unvalidated_block_in_a_store_job_cancels_it(monkeypatch: pytest.MonkeyP
     assert tier_state(s, PROMPT[: 2 * BLOCK])[0] is HIT
 
 
+@pytest.mark.skipif(
+    not store_failures_reported(), reason="vLLM reports failed store jobs from 0.34 on"
+)
+def test_a_store_the_workers_report_failed_is_no_tier_copy() -> None:
+    """vLLM 0.34's workers report a store job that failed; vLLM drops its copies, and
+    kvguard fails its tickets: no tier copy recorded, nothing counted as stored, and
+    the chunk is offered again in no later job (vLLM's pointer moved past it)."""
+    s = offload_scheduler()
+    core = s.kvguard_pool.core
+    prompt = PROMPT[: 2 * BLOCK]
+    so, job = _finish_and_offer(s, prompt)
+    s.update_from_output(so, output(s, so))  # the copy is running
+    so = s.schedule()
+    s.update_from_output(so, output(s, so, completed=[job], failed=[job]))
+    assert tier_state(s, prompt) == [MISS, MISS]  # vLLM dropped them
+    assert core.tier_copies(kvguard_hash(prompt, 0)) == ()
+    assert core.tier_copies(kvguard_hash(prompt, 1)) == ()
+    counters = core.stats().counters
+    assert counters.stores_failed == 2 and counters.stores_acknowledged == 0
+    stats = s.kvguard_stats()
+    assert stats["offload_store_jobs_failed"] == 1
+    assert stats["offload_chunks_stored"] == 0
+    assert not s.connector.connector_scheduler.kvguard_in_flight()
+    s.kvguard_pool.check_consistency()
+
+
 def test_cache_reset_fails_the_tickets_in_flight() -> None:
     s = offload_scheduler()
     core = s.kvguard_pool.core
@@ -375,19 +407,7 @@ def test_without_kvguards_pool_it_is_vllms_connector() -> None:
 
 @pytest.fixture
 def plugin_on(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    from vllm.config.scheduler import SchedulerConfig
-    from vllm.v1.kv_cache_interface import KVCacheConfig
-
-    monkeypatch.setattr(
-        KVCacheConfig, "needs_kv_cache_zeroing", KVCacheConfig.__dict__["needs_kv_cache_zeroing"]
-    )
-    monkeypatch.setattr(SchedulerConfig, "get_scheduler_cls", SchedulerConfig.get_scheduler_cls)
-    monkeypatch.setattr(
-        KVConnectorFactory,
-        "get_connector_class",
-        KVConnectorFactory.__dict__["get_connector_class"],
-    )
-    monkeypatch.setattr(KVConnectorFactory, "_registry", dict(KVConnectorFactory._registry))
+    undo_plugin_patches_after(monkeypatch)
     monkeypatch.setenv("KVGUARD_GUARD", "1")
     plugin.register()
     plugin.register()

@@ -15,17 +15,15 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 import vllm  # noqa: E402
 import vllm.v1.worker.gpu.model_runner as v2_runner  # noqa: E402
-from vllm.config.scheduler import SchedulerConfig  # noqa: E402
 from vllm.v1.attention.backends.utils import record_kv_cache_layout  # noqa: E402
 from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig  # noqa: E402
 
-from kvguard.adapters.vllm import plugin, worker_nans  # noqa: E402
+from kvguard.adapters.vllm import plugin  # noqa: E402
 from kvguard.adapters.vllm._compat import (  # noqa: E402
     UnsupportedVllmError,
     has_v1_model_runner,
-    zeroing_is_a_field,
 )
 from kvguard.adapters.vllm.config import GuardConfigError  # noqa: E402
 from kvguard.adapters.vllm.scheduler import (  # noqa: E402
@@ -33,6 +31,7 @@ from kvguard.adapters.vllm.scheduler import (  # noqa: E402
     GuardedScheduler,
 )
 
+from .conftest import undo_plugin_patches_after  # noqa: E402
 from .harness import (  # noqa: E402
     BLOCK,
     make_request,
@@ -46,26 +45,7 @@ from .harness import (  # noqa: E402
 @pytest.fixture
 def restore_vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
     """Whatever the plugin patches is put back after the test."""
-    if zeroing_is_a_field():
-        monkeypatch.setattr(KVCacheConfig, "__post_init__", KVCacheConfig.__post_init__)
-    else:
-        monkeypatch.setattr(
-            KVCacheConfig,
-            "needs_kv_cache_zeroing",
-            KVCacheConfig.__dict__["needs_kv_cache_zeroing"],
-        )
-    monkeypatch.setattr(SchedulerConfig, "get_scheduler_cls", SchedulerConfig.get_scheduler_cls)
-    # The model runners' per-request NaN counting (kvguard.adapters.vllm.worker_nans).
-    monkeypatch.setattr(worker_nans, "_installed", False)
-    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
-    monkeypatch.setattr(v2_runner.GPUModelRunner, "sample", v2_runner.GPUModelRunner.sample)
-    if has_v1_model_runner():
-        import vllm.v1.worker.gpu_model_runner as v1_runner
-
-        monkeypatch.setattr(v1_runner, "count_nans_per_row", v1_runner.count_nans_per_row)
-        runner = v1_runner.GPUModelRunner
-        monkeypatch.setattr(runner, "_bookkeeping_sync", runner._bookkeeping_sync)
-        monkeypatch.setattr(runner, "_get_nans_in_logits", runner._get_nans_in_logits)
+    undo_plugin_patches_after(monkeypatch)
     yield monkeypatch
 
 

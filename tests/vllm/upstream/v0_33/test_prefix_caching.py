@@ -7,10 +7,9 @@
 #             (the release the adapter supports, vllm==0.33.0).
 #   Copyright contributors to the vLLM project, Apache-2.0 (SPDX lines below kept).
 # Changes: this header; `pytestmark` also carries `pytest.mark.vllm` (kvguard's marker
-# for tests that need vLLM). Nothing else: tests/vllm/upstream/conftest.py makes every
-# BlockPool / KVCacheManager these tests build run on kvguard's GuardedBlockPool in
-# pass-through mode (and, as a control, on vLLM's stock pool), and lists the tests
-# skipped here with their reasons.
+# for tests that need vLLM). Nothing else: tests/vllm/upstream/conftest.py runs them on
+# the vLLM series they come from only (the control for the installed vLLM), and lists
+# the tests skipped here with their reasons.
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Compare the with and without prefix caching."""
