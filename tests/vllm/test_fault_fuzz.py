@@ -9,7 +9,8 @@ model accepts or rejects), while outputs randomly carry NaN counts, come back wi
 count, and clients abort requests (mid-step under async). The test keeps its own record
 of every KV slot: which step wrote it, for which token prefix, and what became of that
 step (clean, NaN, unchecked, or dropped because its request was preempted, aborted or
-finished before the output arrived). At every step it checks what DESIGN.md promises:
+finished before the output arrived). At every step it checks what docs/design.md promises
+(its "Invariants" and "Inside vLLM" sections):
 
 * every request reads, below its computed tokens, only KV of its own token prefix
   written by steps known clean (or by its own step still in flight or unchecked);
