@@ -48,12 +48,12 @@ def bench(session: nox.Session) -> None:
 
 
 @nox.session
-def vllm(session: nox.Session) -> None:
-    """vLLM adapter tests against the real vllm==0.33.0, installed for CPU by
-    .ci/install-vllm (the ../shared/vllm recipe); then the scheduler benchmark."""
-    session.run("bash", ".ci/install-vllm", external=True)
-    session.install("-e", ".", "pytest")
-    env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
+@nox.parametrize("series", ["0.33", "0.34"])
+def vllm(session: nox.Session, series: str) -> None:
+    """vLLM adapter tests against the real vllm 0.33 or 0.34, installed for CPU by
+    .ci/install-vllm from requirements/; then the scheduler benchmark."""
+    session.run("bash", ".ci/install-vllm", series, external=True)
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": ""}
     session.run("python", "-m", "pytest", "-m", "vllm", "tests/vllm", *session.posargs, env=env)
     session.run("python", "benchmarks/vllm_scheduler.py", env=env)
 

@@ -1,4 +1,4 @@
-"""kvguard inside vLLM (0.33.x): the pool under ``KVCacheManager``, guarded schedulers,
+"""kvguard inside vLLM (0.32.x, 0.33.x, 0.34.x; see ``_compat.SUPPORTED``): the pool under ``KVCacheManager``, guarded schedulers,
 the guarded offloading connector.
 
 Importing this package checks the installed vLLM version and imports vLLM; ``import
