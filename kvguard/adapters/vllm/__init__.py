@@ -1,5 +1,5 @@
-"""kvguard inside vLLM (0.32.x, 0.33.x, 0.34.x; see ``_compat.SUPPORTED``): the pool under ``KVCacheManager``, guarded schedulers,
-the guarded offloading connector.
+"""kvguard inside vLLM (0.32.x, 0.33.x, 0.34.x: ``SUPPORTED``): the pool under
+``KVCacheManager``, guarded schedulers, the guarded offloading connector.
 
 Importing this package checks the installed vLLM version and imports vLLM; ``import
 kvguard`` alone never does. Turn the guard on with no code change (the
