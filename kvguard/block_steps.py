@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 
 from kvguard import arguments
 from kvguard.block import PendingPublication
-from kvguard.errors import PoolMisuseError
+from kvguard.errors import PoolMisuseError, UnknownBlockError
 from kvguard.hashing import BlockHash
 from kvguard.pool_core import PoolCore
 from kvguard.results import BlockValidation, PublishOutcome
@@ -33,6 +33,13 @@ class BlockSteps:
         pool: their compiled twins check them on the way)."""
         return block_ids if type(block_ids) is list else arguments.id_list(block_ids)
 
+    def _checked_ids(self, block_ids: list[int]) -> list[int]:
+        """After a primitive refused ``block_ids`` (:class:`UnknownBlockError`, having
+        changed nothing): a new list of them as ints, to call it again with, or the
+        error naming the first id that is not an int in range. Integer-likes (numpy
+        integers) are converted here, off the hot path: the primitives take ints."""
+        return arguments.block_ids(block_ids, self._core.num_blocks)
+
     def allocate_blocks(self, num_blocks: int, *, write: bool = False) -> list[int]:
         """Hand out ``num_blocks`` blocks to a caller that keeps its own block tables.
 
@@ -44,14 +51,18 @@ class BlockSteps:
         blocks handed out, in one call: they come back WRITTEN by one step.
         """
         if type(num_blocks) is not int or num_blocks < 0:
-            arguments.count("num_blocks", num_blocks)
+            num_blocks = arguments.count("num_blocks", num_blocks)
         if write is not False and write is not True:
             arguments.flag("write", write)
         return self._kernel.allocate(num_blocks, True, write)
 
     def acquire_blocks(self, block_ids: Iterable[int]) -> None:
         """Take a block-level reference on cached (PUBLISHED/OFFLOADED) blocks."""
-        self._kernel.acquire(self._ids(block_ids), True)
+        ids = self._ids(block_ids)
+        try:
+            self._kernel.acquire(ids, True)
+        except UnknownBlockError:
+            self._kernel.acquire(self._checked_ids(ids), True)
 
     def release_blocks(self, block_ids: Iterable[int], *, steps_passed: bool = False) -> None:
         """Drop block-level references taken by allocate_blocks/acquire_blocks.
@@ -68,7 +79,11 @@ class BlockSteps:
         """
         if steps_passed is not False and steps_passed is not True:
             arguments.flag("steps_passed", steps_passed)
-        self._kernel.release_held(self._ids(block_ids), steps_passed)
+        ids = self._ids(block_ids)
+        try:
+            self._kernel.release_held(ids, steps_passed)
+        except UnknownBlockError:
+            self._kernel.release_held(self._checked_ids(ids), steps_passed)
 
     def write_blocks(self, block_ids: Iterable[int]) -> None:
         """A scheduled step writes into these block-level-held blocks.
@@ -77,7 +92,11 @@ class BlockSteps:
         them passed :meth:`validate_blocks`. A validated block that is written again
         loses any hash it carried: its bytes change.
         """
-        self._kernel.write_held(self._ids(block_ids))
+        ids = self._ids(block_ids)
+        try:
+            self._kernel.write_held(ids)
+        except UnknownBlockError:
+            self._kernel.write_held(self._checked_ids(ids))
 
     def validate_blocks(
         self,
@@ -98,10 +117,17 @@ class BlockSteps:
         """
         ids = self._ids(block_ids)
         if publish is not None and (type(publish) is not dict or publish):
-            arguments.publications(publish)
+            publish = arguments.publications(publish)
             if publish and not self._kernel.enable_caching:
-                raise PoolMisuseError("validate_blocks(publish=...) needs enable_caching=True")
-        validated, published, duplicates = self._kernel.validate_held(ids, publish)
+                raise PoolMisuseError(
+                    "validate_blocks(publish=...) needs a pool with enable_caching=True; "
+                    "leave publish out on this pool"
+                )
+        try:
+            validated, published, duplicates = self._kernel.validate_held(ids, publish)
+        except UnknownBlockError:
+            checked = self._checked_ids(ids)
+            validated, published, duplicates = self._kernel.validate_held(checked, publish)
         return BlockValidation(tuple(validated), tuple(published), tuple(duplicates))
 
     def fail_blocks(self, block_ids: Iterable[int]) -> tuple[int, ...]:
@@ -112,9 +138,12 @@ class BlockSteps:
         Returns the quarantined ids.
         """
         ids = arguments.id_list(block_ids)
+        for value in ids:
+            if type(value) is not int or not 0 <= value < self._core.num_blocks:
+                ids = self._checked_ids(ids)  # raises UnknownBlockError, or converts
+                break
         kernel = self._kernel
         for block_id in ids:
-            self._core.block(block_id)  # raises UnknownBlockError
             kernel.check_block_level(block_id)
         return tuple(kernel.fail(ids))
 
@@ -135,9 +164,11 @@ class BlockSteps:
         quarantined block is refused with :class:`IllegalTransitionError`.
         """
         if not self._kernel.enable_caching:
-            raise PoolMisuseError("publish_block() needs a pool with enable_caching=True")
+            raise PoolMisuseError(
+                "publish_block() needs a pool with enable_caching=True; this pool never publishes"
+            )
         if type(block_id) is not int or not 0 <= block_id < self._core.num_blocks:
-            self._core.block(block_id)  # raises UnknownBlockError
+            block_id = self._core.block(block_id).block_id  # raises UnknownBlockError
         publication = (block_hash, parent_hash, owner)
         arguments.publication(block_id, publication)
         return self._kernel.publish_held(block_id, publication)

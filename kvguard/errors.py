@@ -43,11 +43,15 @@ class IllegalTransitionError(PoolMisuseError):
 
 
 class UnknownRequestError(PoolMisuseError, KeyError):
-    """No request with that id is open in the pool."""
+    """No request with that id is open in the pool (never added, or freed already)."""
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, message: str | None = None) -> None:
         self.request_id = request_id
-        super().__init__(f"unknown request {request_id!r}: add_request() it first")
+        super().__init__(
+            message
+            or f"unknown request {request_id!r}: no request with this id is open in the "
+            "pool (never added, or freed already); add_request() opens one"
+        )
 
     def __str__(self) -> str:  # KeyError would otherwise print the repr of args
         return str(self.args[0])
@@ -58,15 +62,16 @@ class DuplicateRequestError(PoolMisuseError):
 
 
 class UnknownBlockError(PoolMisuseError, IndexError):
-    """A block id outside ``range(num_blocks)``."""
+    """A block id outside ``range(num_blocks)``, or not an int at all."""
 
 
 class ForeignBlockError(PoolMisuseError):
-    """A block was released by someone who does not hold a reference to it."""
+    """A block-level call named a block it does not hold: a block a request's block
+    table holds, or more block-level references than were taken."""
 
 
 class DoubleFreeError(ForeignBlockError):
-    """A block with no remaining reference was released again."""
+    """A block with no reference left was released (again)."""
 
 
 class NotAllocatedError(PoolMisuseError):
@@ -103,7 +108,10 @@ class OutOfBlocksError(KvGuardError):
     def __init__(self, needed: int, available: int) -> None:
         self.needed = needed
         self.available = available
-        super().__init__(f"need {needed} blocks, only {available} free or evictable")
+        super().__init__(
+            f"need {needed} blocks, only {available} free or evictable; nothing was "
+            "allocated: free or preempt requests (release blocks) and retry"
+        )
 
 
 class CorruptionError(KvGuardError):

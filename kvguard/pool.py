@@ -8,7 +8,9 @@ queues the engine drains — blocks and token slots to zero (``take_blocks_to_ze
 A request's life, as an engine drives it::
 
     pool.add_request("r1", prompt_token_ids)
-    hit = pool.lookup("r1")                     # only PUBLISHED/OFFLOADED blocks
+    # Only PUBLISHED/OFFLOADED blocks; the last prompt token stays out of the hit (a
+    # step computes at least one token, as in vLLM).
+    hit = pool.lookup("r1", max_tokens=len(prompt_token_ids) - 1)
     pool.allocate("r1", len(prompt_token_ids), hit=hit)
     pool.write("r1", len(prompt_token_ids) - hit.num_tokens)   # the step is scheduled
     ...                                         # the forward pass runs
@@ -265,14 +267,17 @@ class BlockPool:
         such as vLLM's null block); they must not be cached.
         """
         held = arguments.id_list(keep_held)
-        for block_id in held:
-            self._core.block(block_id)  # raises UnknownBlockError
+        if held:
+            held = arguments.block_ids(held, self.num_blocks)  # raises UnknownBlockError
         kept = set(held)
         kernel = self._kernel
         if any(block.ref_cnt for block in kernel.blocks if block.block_id not in kept):
             return False
-        if any(self._core.block(b).state in MATCHABLE_STATES for b in kept):
-            raise PoolMisuseError("keep_held names a cached block; release it first")
+        if any(kernel.blocks[b].state in MATCHABLE_STATES for b in kept):
+            raise PoolMisuseError(
+                "keep_held names a cached (PUBLISHED/OFFLOADED) block; keep_held is for "
+                "held placeholders that are never cached: release it first"
+            )
         kernel.evict_all()
         if self.record_events:
             kernel.events.append(AllBlocksCleared())
@@ -312,7 +317,7 @@ class BlockPool:
 
     def block_info(self, block_id: int) -> BlockInfo:
         block = self._core.block(block_id)
-        return BlockInfo.of(block, self._kernel.retention.get(block_id, 0))
+        return BlockInfo.of(block, self._kernel.retention.get(block.block_id, 0))
 
     def block_state(self, block_id: int) -> BlockState:
         """The block's state alone (no snapshot object: for per-step hot paths)."""

@@ -14,12 +14,7 @@ from __future__ import annotations
 
 from kvguard import arguments
 from kvguard.block import Block
-from kvguard.errors import (
-    PoolMisuseError,
-    RequestAbortedError,
-    UnknownBlockError,
-    UnknownRequestError,
-)
+from kvguard.errors import PoolMisuseError, RequestAbortedError, UnknownRequestError
 from kvguard.hashing import BlockHasher, default_block_hasher
 from kvguard.request_record import RequestRecord
 from kvguard.tiers import TierLedger
@@ -47,16 +42,26 @@ class PoolCore:
         record_events: bool = True,
         block_type: type[Block] = Block,
     ) -> None:
-        if type(num_blocks) is not int or num_blocks < 1:
-            raise PoolMisuseError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        if type(block_size) is not int or block_size < 1:
-            raise PoolMisuseError(f"block_size must be a positive int, got {block_size!r}")
+        num_blocks = arguments.integer("num_blocks", num_blocks)
+        if num_blocks < 1:
+            raise PoolMisuseError(f"num_blocks must be at least 1, got {num_blocks}")
+        block_size = arguments.integer("block_size", block_size)
+        if block_size < 1:
+            raise PoolMisuseError(f"block_size must be at least 1, got {block_size}")
         if not isinstance(zero_policy, ZeroPolicy):
-            raise PoolMisuseError(f"zero_policy must be a ZeroPolicy, got {zero_policy!r}")
+            raise PoolMisuseError(
+                f"zero_policy must be a kvguard.ZeroPolicy, got {arguments.got(zero_policy)}"
+            )
         if not (isinstance(block_type, type) and issubclass(block_type, Block)):
-            raise PoolMisuseError(f"block_type must be a subclass of Block, got {block_type!r}")
+            raise PoolMisuseError(
+                f"block_type must be a subclass of kvguard.block.Block, got "
+                f"{arguments.got(block_type)}"
+            )
         if not callable(hasher):
-            raise PoolMisuseError(f"hasher must be callable, got {hasher!r}")
+            raise PoolMisuseError(
+                f"hasher must be callable as (parent, tokens, salt) -> bytes, got "
+                f"{arguments.got(hasher)}"
+            )
         arguments.flag("enable_caching", enable_caching)
         arguments.flag("record_events", record_events)
         self.num_blocks = num_blocks
@@ -78,6 +83,17 @@ class PoolCore:
         except (KeyError, TypeError):  # TypeError: unhashable, not a str
             raise UnknownRequestError(arguments.request_id(request_id)) from None
 
+    def pop_record(self, request_id: str) -> RequestRecord:
+        """Close the request: its record, taken out of the pool (``free``)."""
+        try:
+            return self.requests.pop(request_id)
+        except (KeyError, TypeError):  # TypeError: unhashable, not a str
+            raise UnknownRequestError(
+                arguments.request_id(request_id),
+                f"free({request_id!r}): no request with this id is open -- freed already, "
+                "or never added with add_request(); free() each request once",
+            ) from None
+
     def live_record(self, request_id: str) -> RequestRecord:
         rec = self.record(request_id)
         if rec.aborted:
@@ -88,8 +104,8 @@ class PoolCore:
         return rec
 
     def block(self, block_id: int) -> Block:
+        """The block record of ``block_id`` (an int, or an integer-like converted);
+        :class:`UnknownBlockError` names an id outside the pool or of another type."""
         if type(block_id) is not int or not 0 <= block_id < self.num_blocks:
-            raise UnknownBlockError(
-                f"block id {block_id!r} is outside this pool (0..{self.num_blocks - 1})"
-            )
+            block_id = arguments.block_id(block_id, self.num_blocks)
         return self.kernel.blocks[block_id]

@@ -44,18 +44,20 @@ class Recovery:
         if num_tokens is None:
             boundary = rec.num_validated
         else:
-            arguments.count("num_tokens", num_tokens)
+            num_tokens = arguments.count("num_tokens", num_tokens)
             if num_tokens > old:
                 raise PoolMisuseError(
                     f"cannot roll back {num_tokens} tokens: request {request_id!r} has "
-                    f"written only {old}"
+                    f"written only {old}; pass at most {old}, or None for everything past "
+                    "its validated boundary"
                 )
             boundary = old - num_tokens
             if rec.aborted and boundary > rec.num_validated:
                 raise RollbackError(
                     f"request {request_id!r} was aborted: tokens past its validated boundary "
                     f"({rec.num_validated}) come from a failed step or were computed on "
-                    "invalidated KV, and cannot be kept"
+                    f"invalidated KV, and cannot be kept: zero_request_tail({request_id!r}) "
+                    "rolls it back to that boundary"
                 )
         size = self._block_size
         kernel = self._kernel

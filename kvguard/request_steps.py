@@ -61,9 +61,9 @@ class RequestSteps:
                 f"request {request_id!r} is already open; free() it before adding it again"
             )
         if type(retention) is not int:
-            raise PoolMisuseError(f"retention must be an int, got {retention!r}")
+            retention = arguments.integer("retention", retention)
         if salt is not None and not isinstance(salt, bytes):
-            raise PoolMisuseError(f"salt must be bytes or None, got {salt!r}")
+            raise PoolMisuseError(f"salt must be bytes or None, got {arguments.got(salt)}")
         tokens = arguments.token_array(token_ids)
         hashes = None if block_hashes is None else arguments.hash_list("block_hashes", block_hashes)
         rec = RequestRecord(
@@ -95,7 +95,8 @@ class RequestSteps:
         rec = self._core.record(request_id)
         if not rec.explicit_hashes:
             raise PoolMisuseError(
-                f"request {request_id!r} hashes its token ids; use append_tokens()"
+                f"request {request_id!r} was added without block_hashes=, so the pool hashes "
+                "its token ids: use append_tokens()"
             )
         rec.block_hashes.extend(arguments.hash_list("block_hashes", block_hashes))
         return self._publish_ready(rec)
@@ -104,15 +105,17 @@ class RequestSteps:
         """The longest prefix of the request whose blocks are PUBLISHED or OFFLOADED.
 
         Never returns a block whose KV is unvalidated. ``max_tokens`` caps the hit
-        (engines keep at least one prompt token to compute). Takes no reference: pass
-        the hit to :meth:`allocate`, which refuses it if it went stale meanwhile.
+        (a step computes at least one token, to produce the next token's logits: pass
+        ``max_tokens=len(prompt) - 1`` to keep the last prompt token out of the hit, as
+        vLLM does; a prompt hit whole leaves its first step nothing to write). Takes no
+        reference: pass the hit to :meth:`allocate`, which refuses it if it went stale
+        meanwhile.
         """
         rec = self._core.record(request_id)
         size = self._block_size
         limit = len(rec.block_hashes) * size if rec.explicit_hashes else len(rec.token_ids)
         if max_tokens is not None:
-            arguments.count("max_tokens", max_tokens)
-            limit = min(limit, max_tokens)
+            limit = min(limit, arguments.count("max_tokens", max_tokens))
         ids: list[int] = []
         gens: list[int] = []
         kernel = self._kernel
@@ -158,10 +161,13 @@ class RequestSteps:
         (not an earlier request under the same id, nor another pool's, nor a copy) and
         every block of it still holds what it held then; else a typed error."""
         if not isinstance(hit, PrefixHit):
-            raise PoolMisuseError(f"hit must be a PrefixHit from lookup(), got {hit!r}")
+            raise PoolMisuseError(
+                f"hit must be the PrefixHit lookup() returned, or None; got {arguments.got(hit)}"
+            )
         if hit.request_id != rec.request_id:
             raise PoolMisuseError(
-                f"prefix hit belongs to request {hit.request_id!r}, not {rec.request_id!r}"
+                f"prefix hit belongs to request {hit.request_id!r}, not {rec.request_id!r}; "
+                f"pass the hit lookup({rec.request_id!r}) returned"
             )
         if hit is not rec.hit:
             raise StaleHitError(
@@ -172,7 +178,7 @@ class RequestSteps:
         if rec.blocks:
             raise PoolMisuseError(
                 f"request {rec.request_id!r} already holds blocks; a prefix hit is only "
-                "used by its first allocation"
+                "used by its first allocation: allocate() without hit="
             )
         blocks = self._kernel.blocks
         for block_id, generation in zip(hit.block_ids, hit.generations, strict=True):
@@ -189,10 +195,35 @@ class RequestSteps:
     ) -> bool:
         """True if :meth:`allocate` with the same arguments would find enough blocks."""
         rec = self._core.record(request_id)
-        arguments.count("num_tokens", num_tokens)
+        if type(num_tokens) is not int or num_tokens < rec.num_written:
+            num_tokens = self._check_total(rec, num_tokens)
         if hit is not None:
             hit = self._check_hit(rec, hit)
+            self._check_hit_total(num_tokens, hit)
         return self._blocks_short(rec, num_tokens, hit) <= 0
+
+    @staticmethod
+    def _check_total(rec: RequestRecord, num_tokens: object) -> int:
+        """``num_tokens`` of :meth:`allocate`, checked: the request's total, which is
+        never below what it holds (written) already."""
+        total = arguments.count("num_tokens", num_tokens)
+        held = rec.num_written
+        if total < held:
+            raise PoolMisuseError(
+                f"num_tokens={total} is below the {held} tokens request {rec.request_id!r} "
+                "holds: allocate() takes the request's total token count, not a count of "
+                f"new tokens; pass {held + 1} for one more token"
+            )
+        return total
+
+    @staticmethod
+    def _check_hit_total(num_tokens: int, hit: PrefixHit) -> None:
+        if num_tokens < hit.num_tokens:
+            raise PoolMisuseError(
+                f"num_tokens={num_tokens} is below the prefix hit's {hit.num_tokens}: "
+                "allocate() takes the request's total token count (hit included), e.g. "
+                "len(prompt)"
+            )
 
     def _blocks_short(self, rec: RequestRecord, num_tokens: int, hit: PrefixHit | None) -> int:
         """How many more blocks ``allocate`` needs than the free queue can give."""
@@ -211,19 +242,21 @@ class RequestSteps:
     ) -> tuple[int, ...]:
         """Grow the request's block table to hold ``num_tokens`` tokens in total.
 
+        ``num_tokens`` is the request's total token count, not a count of new tokens:
+        a request holding ``n`` written tokens makes room for one more with
+        ``allocate(rid, n + 1)``; a total below ``n`` is refused.
+
         With ``hit`` (first allocation only), the hit's blocks are shared and their
         tokens count as written and validated. Returns the ids of newly allocated
         blocks; those that need zeroing are queued for ``take_blocks_to_zero``.
         Raises :class:`OutOfBlocksError` (changing nothing) when blocks run out.
         """
         rec = self._core.live_record(request_id)
-        arguments.count("num_tokens", num_tokens)
+        if type(num_tokens) is not int or num_tokens < rec.num_written:
+            num_tokens = self._check_total(rec, num_tokens)
         if hit is not None:
             hit = self._check_hit(rec, hit)
-            if num_tokens < hit.num_tokens:
-                raise PoolMisuseError(
-                    f"num_tokens={num_tokens} is below the prefix hit's {hit.num_tokens}"
-                )
+            self._check_hit_total(num_tokens, hit)
         short = self._blocks_short(rec, num_tokens, hit)
         if short > 0:
             need = _cdiv(num_tokens, self._block_size) - len(rec.blocks)
@@ -248,17 +281,17 @@ class RequestSteps:
         :meth:`validate_step` confirms this step. Returns the step's token range.
         """
         rec = self._core.live_record(request_id)
-        arguments.count("num_tokens", num_tokens)
-        if num_tokens == 0:
-            raise PoolMisuseError("a step writes at least one token (num_tokens=0)")
+        if type(num_tokens) is not int or num_tokens < 1:
+            num_tokens = self._check_step(rec, num_tokens)
         size = self._block_size
         start = rec.num_written
         end = start + num_tokens
         if end > len(rec.blocks) * size:
             raise NotAllocatedError(
                 f"request {request_id!r} holds {len(rec.blocks)} blocks "
-                f"({len(rec.blocks) * size} tokens) but the step writes up to token {end}; "
-                "allocate() first"
+                f"({len(rec.blocks) * size} tokens) but the step writes up to token {end}: "
+                f"allocate({request_id!r}, {end}) first (allocate() takes the request's "
+                "total token count)"
             )
         kernel = self._kernel
         kernel.write(rec.blocks, start // size, (end - 1) // size)
@@ -268,6 +301,49 @@ class RequestSteps:
         rec.num_written = end
         rec.pending.append(end)
         return TokenRange(start, end)
+
+    def _check_step(self, rec: RequestRecord, num_tokens: object) -> int:
+        """``num_tokens`` of :meth:`write`, checked: at least one token."""
+        count = arguments.count("num_tokens", num_tokens)
+        if count:
+            return count
+        rid = rec.request_id
+        hit = rec.hit
+        prompt = rec.num_prompt_tokens
+        if (
+            hit is None
+            or not hit.num_tokens
+            or hit.num_tokens < prompt
+            or rec.num_written != hit.num_tokens
+            or not self._holds_hit(rec, hit)
+        ):
+            raise PoolMisuseError(
+                f"write({rid!r}, 0): a step writes at least one token; call write() only "
+                "for the requests a step computes tokens of"
+            )
+        if prompt:  # the hit covers the whole prompt
+            raise PoolMisuseError(
+                f"write({rid!r}, 0): a step writes at least one token, and the prefix hit "
+                f"covers the whole prompt ({prompt} tokens), leaving none to compute the "
+                "next token's logits from; keep the last prompt token out of the hit, as "
+                f"vLLM does: lookup({rid!r}, max_tokens={prompt - 1}) (free() the request "
+                "and add it again to start over)"
+            )
+        raise PoolMisuseError(
+            f"write({rid!r}, 0): a step writes at least one token; the request holds the "
+            f"{hit.num_tokens} tokens of its prefix hit and nothing since (if the hit "
+            "covers the whole prompt, keep the last prompt token out of it, as vLLM does: "
+            f"lookup({rid!r}, max_tokens=len(prompt) - 1))"
+        )
+
+    def _holds_hit(self, rec: RequestRecord, hit: PrefixHit) -> bool:
+        """Whether the request's block table starts with the very blocks of ``hit``
+        (its first allocation took the hit)."""
+        n = len(hit.block_ids)
+        blocks = self._kernel.blocks
+        return tuple(rec.blocks[:n]) == hit.block_ids and all(
+            blocks[b].generation == g for b, g in zip(hit.block_ids, hit.generations, strict=True)
+        )
 
     def validate_step(self, request_id: str) -> StepResult:
         """The request's oldest in-flight step passed: its blocks become VALIDATED, and
@@ -323,7 +399,10 @@ class RequestSteps:
         if rec.discarded:
             return rec, None
         if rec.aborted:
-            raise RequestAbortedError(f"request {request_id!r} was aborted; no step is pending")
+            raise RequestAbortedError(
+                f"request {request_id!r} was aborted; no step of it is pending: free() it, "
+                "or zero_request_tail() it to resume from its validated prefix"
+            )
         if not rec.pending:
             raise NoPendingStepError(
                 f"request {request_id!r} has no step in flight to {verb}; write() records one"
@@ -370,8 +449,7 @@ class RequestSteps:
         matchable as eviction candidates; the rest return to the free queue. Tail
         blocks are released first so that they are evicted before the shared prefix.
         """
-        rec = self._core.record(request_id)
-        del self._requests[request_id]
+        rec = self._core.pop_record(request_id)
         self._kernel.release_table(rec.blocks, rec.retention)
 
     def block_table(self, request_id: str) -> tuple[int, ...]:

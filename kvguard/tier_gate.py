@@ -47,7 +47,7 @@ class TierGate:
     def begin_store(self, block_id: int, tier: str = "default") -> StoreTicket:
         """Start copying a validated block to ``tier``; raises unless VALIDATED or later."""
         if type(block_id) is not int or not 0 <= block_id < self._core.num_blocks:
-            self._core.block(block_id)  # raises UnknownBlockError
+            block_id = self._core.block(block_id).block_id  # raises UnknownBlockError
         if type(tier) is not str:
             arguments.tier(tier)
         block = self._kernel.blocks[block_id]
@@ -55,19 +55,23 @@ class TierGate:
             raise NotStorableError(
                 f"block {block_id} is {block.state.name}"
                 + ("" if block.block_hash is not None else " without a hash")
-                + "; only validated, full, hashed blocks may be stored to a tier"
+                + "; only validated, full, hashed blocks may be stored to a tier "
+                "(storable_blocks() lists a request's)"
             )
         self._kernel.counters.stores_started += 1
         return self._tiers.issue(block_id, block.block_hash, block.generation, tier)
 
     def _retire(self, ticket: StoreTicket) -> None:
         if type(ticket) is not StoreTicket:
-            raise UnknownTicketError(f"not a StoreTicket from begin_store(): {ticket!r}")
+            raise UnknownTicketError(
+                f"expected the StoreTicket begin_store() returned, got {arguments.got(ticket)}"
+            )
         held = self._tiers.tickets.get(ticket.ticket_id)
         if held is not ticket and held != ticket:  # (the ticket issued, or an equal copy)
             raise UnknownTicketError(
                 f"store ticket {ticket.ticket_id} is not in flight (acknowledged or failed "
-                "already, or issued by another pool)"
+                "already, or issued by another pool); settle each ticket once, on the pool "
+                "that issued it"
             )
         self._tiers.retire(ticket)
 

@@ -261,12 +261,15 @@ class TransitionKernel:
         return False
 
     def check_ids(self, block_ids: list[int]) -> None:
-        """Raise :class:`UnknownBlockError` for the first id outside the pool."""
+        """Raise :class:`UnknownBlockError` for the first id that is not an int inside
+        the pool (the façades convert integer-likes, such as numpy integers, and call
+        again: the primitives take ints)."""
         num_blocks = self.num_blocks
         for block_id in block_ids:
             if type(block_id) is not int or not 0 <= block_id < num_blocks:
                 raise UnknownBlockError(
-                    f"block id {block_id!r} is outside this pool (0..{num_blocks - 1})"
+                    f"block id {block_id!r} ({type(block_id).__name__}) is not an int "
+                    f"in 0..{num_blocks - 1}"
                 )
 
     # ------------------------------------------------------------ allocation
@@ -470,10 +473,16 @@ class TransitionKernel:
             block = self.blocks[block_id]
             if block.ref_cnt == 0:
                 raise DoubleFreeError(f"block {block_id} has no reference left to release")
-            if n > block.external_refs:
+            if not block.external_refs:
                 raise ForeignBlockError(
                     f"block {block_id} is held by a request's block table, not through "
                     "allocate_blocks()/acquire_blocks(); free() the request instead"
+                )
+            if n > block.external_refs:
+                raise ForeignBlockError(
+                    f"block {block_id} is named {n} times, but holds {block.external_refs} "
+                    "block-level reference(s); release each reference "
+                    "allocate_blocks()/acquire_blocks() took once"
                 )
         raise AssertionError("release_held() stopped on a releasable block")  # pragma: no cover
 
@@ -566,8 +575,9 @@ class TransitionKernel:
             block = blocks[block_id]
             if block.external_refs == 0:
                 raise ForeignBlockError(
-                    f"block {block_id} is not held through allocate_blocks()/"
-                    "acquire_blocks(); request-level blocks are written with write()"
+                    f"block {block_id} ({block.state.name}) is not held through "
+                    "allocate_blocks()/acquire_blocks(): take it with allocate_blocks() "
+                    "first (a request's blocks are written with write())"
                 )
             state = block.state
             if state is not _ALLOCATED:
@@ -771,7 +781,10 @@ class TransitionKernel:
         block_hash = publication[0]
         if state in MATCHABLE_STATES:
             if block.block_hash != block_hash:
-                raise PoolMisuseError(f"block {block_id} is already published under another hash")
+                raise PoolMisuseError(
+                    f"block {block_id} is already published under another hash; a block "
+                    "holds one hash: publish it under that one (block_hash() names it)"
+                )
             return PublishOutcome.PUBLISHED
         self.check_block_level(block_id)
         if state is _VALIDATED:
