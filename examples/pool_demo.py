@@ -17,21 +17,27 @@ def main() -> None:
     system_prompt = list(range(1000, 1064))  # 4 blocks shared by every request
 
     print("step 1: request A's prompt is scheduled (its KV is being written)")
-    pool.add_request("A", system_prompt + [1, 2, 3])
-    pool.allocate("A", 67, hit=pool.lookup("A"))
-    pool.write("A", 67)
+    prompt_a = system_prompt + [1, 2, 3]
+    pool.add_request("A", prompt_a)
+    # A lookup keeps the last prompt token out of the hit, as vLLM does: a step computes
+    # at least one token, whose logits give the next token.
+    hit = pool.lookup("A", max_tokens=len(prompt_a) - 1)
+    pool.allocate("A", len(prompt_a), hit=hit)  # the request's total token count
+    pool.write("A", len(prompt_a) - hit.num_tokens)
     print("   A:", show(pool, "A"))
 
     print("step 2: B arrives with the same system prompt before A's output is checked")
-    pool.add_request("B", system_prompt + [4, 5])
-    print("   B's prefix hit:", pool.lookup("B").num_tokens, "tokens (vLLM 0.33 would hit 64)")
+    prompt_b = system_prompt + [4, 5]
+    pool.add_request("B", prompt_b)
+    hit = pool.lookup("B", max_tokens=len(prompt_b) - 1)
+    print("   B's prefix hit:", hit.num_tokens, "tokens (vLLM 0.33 would hit 64)")
 
     print("step 2: A's logits were clean -> its full blocks are published")
     pool.validate_step("A")
     print("   A:", show(pool, "A"))
-    hit = pool.lookup("B", max_tokens=65)
-    pool.allocate("B", 66, hit=hit)
-    pool.write("B", 66 - hit.num_tokens)
+    hit = pool.lookup("B", max_tokens=len(prompt_b) - 1)
+    pool.allocate("B", len(prompt_b), hit=hit)
+    pool.write("B", len(prompt_b) - hit.num_tokens)
     print("   B now hits", hit.num_tokens, "tokens")
 
     print("step 3: B's logits contain NaN -> B alone is aborted")
