@@ -35,9 +35,10 @@ is vLLM's own code, not a mode of the guarded classes.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from kvguard.adapters.vllm._compat import require_supported_vllm
+from kvguard.adapters.vllm._compat import require_supported_vllm, series_of
 from kvguard.zeroing import ZeroPolicy
 
 require_supported_vllm()
@@ -61,10 +62,19 @@ from .metrics import (  # noqa: E402
     connector_counters,
     register_prometheus,
 )
-from .plugin import GUARD_ENV, stock_needs_zeroing, worker_counts_per_request  # noqa: E402
+from .plugin import (  # noqa: E402
+    GUARD_ENV,
+    stock_needs_zeroing,
+    worker_counts_per_request,
+    workers_checked,
+)
 from .step_ledger import HeldFills, StepLedger, StepRecord  # noqa: E402
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")
+"""Under vLLM's logger: its handler, format (process name, pid) and level
+(``VLLM_LOGGING_LEVEL``) apply, so the INFO start-up line shows in ``vllm serve``'s log.
+(A logger outside ``vllm`` reaches no handler of vLLM's: Python's last resort prints
+WARNING and above only, bare.)"""
 
 NAN_SETTING = "VLLM_COMPUTE_NANS_IN_LOGITS"
 _NONE: frozenset[str] = frozenset()
@@ -125,6 +135,13 @@ class _GuardMixin:
             return super().__new__(cls)
         scheduler = cls._vllm_scheduler(*args, **kwargs)
         keep_zeroing_to_kvguard(scheduler)
+        if not is_pooling_model(vllm_config):  # (guard_for said so for a pooling model)
+            logger.info(
+                'kvguard: guard switched off (%s=0 or "enabled": false): %s runs '
+                "vLLM's own scheduler and KV cache, unguarded",
+                GUARD_ENV,
+                cls.__name__,
+            )
         return scheduler
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -181,6 +198,38 @@ class _GuardMixin:
         self.kvguard_metrics = GuardMetrics()
         self.kvguard_metrics_label = register_prometheus(self)
         self._kvguard_stats_sender = StatsSender()
+        self._kvguard_log_start()
+
+    def _kvguard_log_start(self) -> None:
+        """The one INFO line per engine saying the guard is in force, and how."""
+        checked = workers_checked(self.vllm_config)
+        connectors = self._kvguard_connectors()
+        gated = [type(c).__name__ for c in connectors if hasattr(c, "kvguard_stats")]
+        # A MultiConnector is listed through its children.
+        ungated = [
+            type(c).__name__
+            for c in connectors
+            if not hasattr(c, "kvguard_stats") and not hasattr(c, "sub_connectors")
+        ]
+        managers = self.kv_cache_manager.coordinator.single_type_managers
+        groups = [type(m.kv_cache_spec).__name__ for m in managers]
+        logger.info(
+            "kvguard: guard in force (vLLM %s, series %s, %s): workers checked: %s; "
+            "zero policy: %s; prefix caching: %s; connectors gated: %s%s; "
+            "KV cache groups guarded: %d (%s)",
+            vllm.__version__,
+            series_of(vllm.__version__),
+            type(self).__name__,
+            "not checked (scheduler built without kvguard's plugin)"
+            if checked is None
+            else f"{checked} OK",
+            self.kvguard_pool.guard.zero_policy.value,
+            "on" if self.kv_cache_manager.enable_caching else "off",
+            ", ".join(gated) or "none",
+            f" (not gated: {', '.join(ungated)})" if ungated else "",
+            len(groups),
+            ", ".join(groups),
+        )
 
     def _kvguard_setup_zeroing(self, kv_cache_config: Any) -> None:
         """Only kvguard's zero queue goes to the worker, unless vLLM needs its own."""
@@ -420,6 +469,7 @@ class _GuardMixin:
             pool.fail_fills([*fills.get(req_id, ()), *ledger.later_fills(req_id)])
         aborted = []
         if failed:
+            spans = self._kvguard_failed_spans(failed, scheduled)
             for req_id in failed:
                 pool.fail_fills([*fills.get(req_id, ()), *ledger.later_fills(req_id)])
             # Finished before vLLM sees the output: its tokens come from NaN logits and
@@ -433,6 +483,7 @@ class _GuardMixin:
             finally:
                 self._kvguard_failing = {}
             metrics.requests_aborted += len(aborted)
+            self._kvguard_log_aborts(aborted, failed, spans)
         # The blocks vLLM caches while it processes the output are validated with it
         # when every write into them reported clean (the ledger's ``settles``: before
         # any block is freed, and here), else carried to the request's next step.
@@ -459,6 +510,39 @@ class _GuardMixin:
                 )
             )
         return outputs
+
+    def _kvguard_failed_spans(
+        self, failed: dict[str, int], scheduled: Mapping[str, int]
+    ) -> dict[str, tuple[int, int]]:
+        """The token positions ``[start, end)`` each failed request's step computed
+        (its tokens past those of its steps still in flight; vLLM counts scheduled
+        tokens as computed when it schedules them). Failures only: off the hot path."""
+        spans = {}
+        for req_id in failed:
+            end = self._kvguard_reported_tokens(req_id)
+            spans[req_id] = (end - scheduled[req_id], end)
+        return spans
+
+    def _kvguard_log_aborts(
+        self, aborted: list[Any], failed: dict[str, int], spans: dict[str, tuple[int, int]]
+    ) -> None:
+        """One WARNING per request the guard finished with an error."""
+        for request in aborted:
+            req_id = request.request_id
+            start, end = spans[req_id]
+            logger.warning(
+                "kvguard: aborted request %s (finish reason 'error'): the step computing "
+                "its positions %d..%d (prompt %d tokens, %d output token(s)) had %d NaN "
+                "logit(s); its tokens are not delivered, and its KV past its last "
+                "validated step is quarantined (never cached or offloaded, zeroed "
+                "before reuse)",
+                req_id,
+                start,
+                end - 1,
+                request.num_prompt_tokens,
+                request.num_output_tokens,
+                failed[req_id],
+            )
 
     def _kvguard_resync(self, scheduler_output: Any) -> StepRecord:
         """The record of an output that is not the oldest step in flight.
