@@ -32,9 +32,12 @@ def log(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> It
     monkeypatch.setattr(logger, "propagate", False)
     caplog.set_level(logging.INFO, logger=logger.name)  # (setLevel: clears the level cache)
     logger.addHandler(caplog.handler)
+    disabled = logging.root.manager.disable  # (vLLM's suppress_logging can leave it set)
+    logging.disable(logging.NOTSET)
     try:
         yield
     finally:
+        logging.disable(disabled)
         logger.removeHandler(caplog.handler)
 
 
