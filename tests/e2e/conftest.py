@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib.util
+import logging
 import os
 import sys
 import warnings
@@ -126,6 +127,34 @@ def guard_in_this_process() -> Iterator[None]:
         yield
     finally:
         mp.undo()
+
+
+class _Records(logging.Handler):
+    def __init__(self, records: list[logging.LogRecord]) -> None:
+        super().__init__(logging.INFO)
+        self.records = records
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@contextlib.contextmanager
+def kvguard_log() -> Iterator[list[logging.LogRecord]]:
+    """What kvguard's adapter logs (INFO and above) in this process while inside: an
+    in-process engine's start-up line, its abort warnings. kvguard logs under vLLM's
+    logger (``vllm.kvguard...``), which stops propagating to pytest's ``caplog``
+    once vLLM configured logging: caught there."""
+    records: list[logging.LogRecord] = []
+    handler = _Records(records)
+    logger = logging.getLogger("vllm.kvguard")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 _IN_PROCESS: list[Any] = []

@@ -29,7 +29,7 @@ from .conftest import HAVE_ENGINE, SKIP_REASON
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not HAVE_ENGINE, reason=SKIP_REASON)]
 
 if HAVE_ENGINE:
-    from .conftest import shutdown
+    from .conftest import kvguard_log, shutdown
     from .engine import (
         ENGINE_KWARGS,
         ENV,
@@ -105,8 +105,11 @@ def test_additional_config_alone_switches_the_guard_on_in_process(
         finally:
             shutdown(stock)
 
-        guarded = _in_process_engine(model_dir, additional_config=GUARD_CONFIG)
+        with kvguard_log() as records:
+            guarded = _in_process_engine(model_dir, additional_config=GUARD_CONFIG)
         try:
+            (start,) = [r.getMessage() for r in records]
+            assert "guard in force" in start and "workers checked: 1 OK;" in start, start
             sched = scheduler(guarded)
             assert type(sched).__name__ == "GuardedScheduler"
             assert sched.kvguard_pool.core is not None
@@ -256,9 +259,7 @@ def test_vllm_serve_serves_kvguards_counters(
 # ---------------------------------------------------------------- pooling models
 
 
-def test_a_pooling_model_runs_unguarded_with_one_log_line(
-    model_dir: str, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_a_pooling_model_runs_unguarded_with_one_log_line(model_dir: str) -> None:
     """The tiny Llama as an embedding model (vLLM's pooling runner), the guard asked
     for: the engine starts, embeds, and says once that it runs the model unguarded.
     (Before, the guarded scheduler refused the first output: no NaN counts.) Driven
@@ -279,7 +280,8 @@ def test_a_pooling_model_runs_unguarded_with_one_log_line(
                 additional_config=GUARD_CONFIG,
                 **ENGINE_KWARGS,
             )
-            llm_engine = LLMEngine.from_engine_args(engine_args)
+            with kvguard_log() as records:
+                llm_engine = LLMEngine.from_engine_args(engine_args)
         finally:
             restore_env(saved)
         try:
@@ -305,5 +307,6 @@ def test_a_pooling_model_runs_unguarded_with_one_log_line(
         finally:
             with contextlib.suppress(Exception):
                 llm_engine.engine_core.shutdown()
-    lines = [r.getMessage() for r in caplog.records if "is a pooling model" in r.getMessage()]
+    lines = [r.getMessage() for r in records if "is a pooling model" in r.getMessage()]
     assert len(lines) == 1 and "pass-through" in lines[0], lines
+    assert not [r for r in records if "guard in force" in r.getMessage()]

@@ -8,6 +8,7 @@ gives the fault-free output of every prompt.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,7 +19,7 @@ from .conftest import HAVE_ENGINE, SKIP_REASON
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not HAVE_ENGINE, reason=SKIP_REASON)]
 
 if HAVE_ENGINE:
-    from .conftest import guard_in_this_process, in_process, shutdown
+    from .conftest import guard_in_this_process, in_process, kvguard_log, shutdown
     from .engine import (
         BLOCK,
         ENGINE_KWARGS,
@@ -36,12 +37,16 @@ if HAVE_ENGINE:
     )
 
 
+START_UP_LOG: dict[str, list[Any]] = {}
+"""What kvguard logged while each engine was built (its ``LogRecord``s)."""
+
+
 @pytest.fixture(scope="module")
 def stock(model_dir: str, reference: Any) -> Iterator[Any]:
     """Stock vLLM: its own scheduler and pool, no kvguard plugin in force."""
     from vllm import LLM
 
-    with in_process():
+    with in_process(), kvguard_log() as START_UP_LOG["stock"]:
         llm = LLM(model=model_dir, **ENGINE_KWARGS)
     assert type(llm.llm_engine.engine_core.engine_core.scheduler).__name__ == "Scheduler"
     yield llm
@@ -54,7 +59,7 @@ def guarded(model_dir: str, reference: Any, stock: Any) -> Iterator[Any]:
     from vllm import LLM
 
     with guard_in_this_process():
-        with in_process():
+        with in_process(), kvguard_log() as START_UP_LOG["guarded"]:
             llm = LLM(model=model_dir, **ENGINE_KWARGS)
         sched = llm.llm_engine.engine_core.engine_core.scheduler
         assert type(sched).__name__ == "GuardedScheduler"
@@ -206,3 +211,55 @@ def test_nan_in_decode_aborts_and_keeps_the_tokens_before_it(
     assert guarded_out.finish_reason == "error"
     (retry,) = generate(guarded, [d])
     assert retry == Result(ref.token_ids, "length", BLOCK)  # the prompt's full block
+
+
+# ---------------------------------------------------------------- what the log says
+
+
+def test_the_log_says_the_guard_is_in_force_and_names_each_aborted_request(
+    reference: Any, stock: Any, guarded: Any
+) -> None:
+    """vLLM's log, kvguard's lines: the guarded engine said once, at INFO, as it
+    started that the guard is in force, with its one worker checked; it names each
+    request it aborts at WARNING -- its id (the client's id and vLLM's suffix), the
+    positions its failing step computed (A's second prefill chunk, 64..127), the NaN
+    count. The clean request beside it is not named. Stock logs nothing of kvguard's,
+    and delivers A's NaN-derived tokens."""
+    import logging
+
+    from vllm import SamplingParams, TokensPrompt
+
+    assert START_UP_LOG["stock"] == []
+    (start,) = START_UP_LOG["guarded"]
+    assert start.levelno == logging.INFO
+    assert start.getMessage().startswith("kvguard: guard in force (vLLM 0.32.")
+    assert start.getMessage().endswith(
+        "GuardedScheduler): workers checked: 1 OK; zero policy: suspect; prefix "
+        "caching: on; connectors gated: none; KV cache groups guarded: 1 (FullAttentionSpec)"
+    )
+
+    a = with_token(tokens(40, 150), 90, trigger(0))  # NaN from position 90: chunk 2
+    b = tokens(41, 40)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [TokensPrompt(prompt_token_ids=a), TokensPrompt(prompt_token_ids=b)]
+    for name, llm in both(stock, guarded):
+        with kvguard_log() as records:
+            a_out, b_out = llm.generate(prompts, params, use_tqdm=False)
+        if name == "stock":
+            assert records == []
+            assert a_out.outputs[0].finish_reason == "length"
+            continue
+        assert a_out.outputs[0].finish_reason == "error"
+        (abort,) = records
+        assert abort.levelno == logging.WARNING
+        line = abort.getMessage()
+        match = re.fullmatch(
+            r"kvguard: aborted request (\S+) \(finish reason 'error'\): the step computing "
+            r"its positions 64\.\.127 \(prompt 150 tokens, 0 output token\(s\)\) had "
+            r"(\d+) NaN logit\(s\); its tokens are not delivered, .*",
+            line,
+        )
+        assert match, line
+        assert match.group(1).startswith(a_out.request_id + "-"), (line, a_out.request_id)
+        assert int(match.group(2)) > 0
+        assert b_out.outputs[0].finish_reason == "length"  # and not named: one line
