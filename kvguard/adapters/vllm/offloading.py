@@ -90,6 +90,14 @@ TIER = "vllm-offload"
 """The tier name kvguard records the connector's copies under (``tier_copies``)."""
 
 
+def fail_tickets(core: Any, by_key: dict[Any, list[StoreTicket]]) -> None:
+    """Fail every ticket of a store job (offload key -> its blocks' tickets): none of
+    its copies becomes a tier copy in kvguard."""
+    for taken in by_key.values():
+        for ticket in taken:
+            core.fail_store(ticket)
+
+
 class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
     """The scheduler side of :class:`GuardedOffloadingConnector`."""
 
@@ -296,9 +304,7 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
                 self._kvguard_tickets[job_id] = tickets
                 counters["offload_store_jobs"] += 1
                 continue
-            for taken in tickets.values():
-                for ticket in taken:
-                    core.fail_store(ticket)
+            fail_tickets(core, tickets)
             logger.warning(
                 "kvguard: store job %d of request %s copies block %d, which is not "
                 "validated; the job is cancelled",
@@ -359,9 +365,7 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
         by_key = self._kvguard_tickets.pop(job_id)
         pool = self.kvguard_pool()
         if pool is not None:
-            for taken in by_key.values():
-                for ticket in taken:
-                    pool.core.fail_store(ticket)
+            fail_tickets(pool.core, by_key)
         self.kvguard_counters["offload_store_jobs_failed"] += 1
 
     def _kvguard_acknowledge(self, job_id: int, status: Any) -> None:
@@ -400,9 +404,7 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
         pool = self.kvguard_pool()
         if pool is not None:
             for by_key in self._kvguard_tickets.values():
-                for taken in by_key.values():
-                    for ticket in taken:
-                        pool.core.fail_store(ticket)
+                fail_tickets(pool.core, by_key)
         self._kvguard_tickets.clear()
 
     # vLLM's hooks for the workers' output and for a cache reset: under the offloading
