@@ -26,22 +26,10 @@ def per_request_nans(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """What kvguard's plugin does with ``KVGUARD_GUARD=1`` for speculative decoding:
     vLLM's model runners count NaNs per request (``worker_nans.install``), which lets
     the guarded scheduler take drafts. Undone after the test."""
-    import sys
-
     from kvguard.adapters.vllm import worker_nans
 
     monkeypatch.setenv("KVGUARD_GUARD", "1")
-    monkeypatch.setattr(worker_nans, "_installed", False)
-    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
-    v1 = sys.modules.get(worker_nans.V1_RUNNER)
-    if v1 is not None:
-        monkeypatch.setattr(v1, "count_nans_per_row", v1.count_nans_per_row)
-        runner = v1.GPUModelRunner
-        monkeypatch.setattr(runner, "_bookkeeping_sync", runner._bookkeeping_sync)
-        monkeypatch.setattr(runner, "_get_nans_in_logits", runner._get_nans_in_logits)
-    v2 = sys.modules.get(worker_nans.V2_RUNNER)
-    if v2 is not None:
-        monkeypatch.setattr(v2.GPUModelRunner, "sample", v2.GPUModelRunner.sample)
+    undo_runner_patches_after(monkeypatch)
     worker_nans.install()
     yield
 
@@ -50,15 +38,12 @@ def undo_plugin_patches_after(monkeypatch: pytest.MonkeyPatch) -> None:
     """What kvguard's plugin patches in vLLM (zeroing, the scheduler class, the
     connector factory, the model runners' NaN counting) is put back when
     ``monkeypatch`` undoes its changes."""
-    import sys
 
-    import vllm.v1.worker.gpu.model_runner as v2_runner
     from vllm.config.scheduler import SchedulerConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-    from kvguard.adapters.vllm import worker_nans
-    from kvguard.adapters.vllm._compat import has_v1_model_runner, zeroing_is_a_field
+    from kvguard.adapters.vllm._compat import zeroing_is_a_field
 
     if zeroing_is_a_field():
         monkeypatch.setattr(KVCacheConfig, "__post_init__", KVCacheConfig.__post_init__)
@@ -75,6 +60,20 @@ def undo_plugin_patches_after(monkeypatch: pytest.MonkeyPatch) -> None:
         KVConnectorFactory.__dict__["get_connector_class"],
     )
     monkeypatch.setattr(KVConnectorFactory, "_registry", dict(KVConnectorFactory._registry))
+    undo_runner_patches_after(monkeypatch)
+
+
+def undo_runner_patches_after(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model runners' per-request NaN counting (``worker_nans.install``) is put
+    back when ``monkeypatch`` undoes its changes: V2's ``sample``, and V1's runner
+    where the series has one."""
+    import sys
+
+    import vllm.v1.worker.gpu.model_runner as v2_runner
+
+    from kvguard.adapters.vllm import worker_nans
+    from kvguard.adapters.vllm._compat import has_v1_model_runner
+
     monkeypatch.setattr(worker_nans, "_installed", False)
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
     monkeypatch.setattr(v2_runner.GPUModelRunner, "sample", v2_runner.GPUModelRunner.sample)
