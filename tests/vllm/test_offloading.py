@@ -297,15 +297,30 @@ def test_late_ack_after_invalidation_is_dropped() -> None:
     assert s.kvguard_stats()["dropped_acks"] == 2
 
 
-def test_unvalidated_block_in_a_store_job_cancels_it(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unvalidated_block_in_a_store_job_cancels_it(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """Second line: a job vLLM builds with a block kvguard refuses never reaches a
-    worker, and its chunks are offered again once they validated."""
+    worker (one WARNING under vLLM's logger says so), and its chunks are offered again
+    once they validated."""
+    from kvguard.adapters.vllm import offloading
+
+    logger = offloading.logger
+    assert logger.name == "vllm.kvguard.adapters.vllm.offloading"
+    monkeypatch.setattr(logger, "propagate", False)  # (vLLM's logger stops it anyway)
+    logger.addHandler(caplog.handler)
     s = offload_scheduler(max_num_batched_tokens=BLOCK)
     cs = s.connector.connector_scheduler
-    with monkeypatch.context() as m:
-        m.setattr(cs, "_kvguard_validated_tokens", lambda pool, groups, req_status: 10**9)
-        s.add_request(make_request("a", PROMPT[: 2 * BLOCK]))
-        so = s.schedule()
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(cs, "_kvguard_validated_tokens", lambda pool, groups, req_status: 10**9)
+            s.add_request(make_request("a", PROMPT[: 2 * BLOCK]))
+            so = s.schedule()
+    finally:
+        logger.removeHandler(caplog.handler)
+    (line,) = [r.getMessage() for r in caplog.records if r.name == logger.name]
+    assert line.startswith("kvguard: store job ") and "of request a copies block" in line
+    assert line.endswith("which is not validated; the job is cancelled")
     assert store_blocks(so) == {}
     assert not cs._jobs and not cs._req_status["a"].transfer_jobs
     assert tier_state(s, PROMPT[: 2 * BLOCK]) == [MISS, MISS]

@@ -84,7 +84,8 @@ from kvguard.states import STORABLE_STATES  # noqa: E402
 from .block_pool import GuardedBlockPool, group_suffix  # noqa: E402
 from .metrics import CONNECTOR_HELP  # noqa: E402
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")
+"""Under vLLM's logger, as the scheduler's: vLLM's handler, format and level apply."""
 
 TIER = "vllm-offload"
 """The tier name kvguard records the connector's copies under (``tier_copies``)."""
