@@ -1,4 +1,4 @@
-"""What a pool of ``--blocks`` blocks costs to build, kvguard against vLLM 0.33.
+"""What a pool of ``--blocks`` blocks costs to build, kvguard against the installed vLLM.
 
 Builds ``kvguard.BlockPool(n, 16)`` and, when vLLM is importable, vLLM's
 ``vllm.v1.core.block_pool.BlockPool(n, enable_caching=True, hash_block_size=16)``,

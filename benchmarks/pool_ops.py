@@ -1,4 +1,4 @@
-"""Pool-operation micro-benchmark: kvguard's ``BlockPool`` against vLLM 0.33's.
+"""Pool-operation micro-benchmark: kvguard's ``BlockPool`` against the installed vLLM's.
 
 One run drives the same operation trace through kvguard and, when ``vllm`` is
 importable, through vLLM's ``vllm.v1.core.block_pool.BlockPool`` and
@@ -256,7 +256,7 @@ def kvguard_side() -> Side:
 
 @dataclass(frozen=True)
 class Vllm:
-    """The pieces of vLLM 0.33 the benchmark drives (vllm is untyped here: Any)."""
+    """The pieces of vLLM (0.32-0.34) the benchmark drives (vllm is untyped here: Any)."""
 
     version: str
     BlockPool: Any
@@ -497,7 +497,7 @@ def report(cfg: Config, kv: Result, vl: Result | None, vllm_version: str | None)
 def parse_args(argv: Sequence[str] | None) -> tuple[Config, bool]:
     d = Config()
     p = argparse.ArgumentParser(
-        description="Time kvguard.BlockPool against vLLM 0.33's BlockPool/KVCacheManager "
+        description="Time kvguard.BlockPool against the installed vLLM's BlockPool/KVCacheManager "
         "on one operation trace (microseconds per operation, best of N repeats)."
     )
     p.add_argument("--quick", action="store_true", help="seconds-long smoke run (for CI)")

@@ -1,4 +1,4 @@
-"""Stock vLLM 0.33 scheduler vs kvguard's guarded scheduler on one synthetic trace.
+"""Stock vLLM's scheduler vs kvguard's guarded scheduler on one synthetic trace.
 
 Hundreds of requests with shared prefixes, chunked prefill and decode, no NaN. Both
 schedulers run the same trace *in lockstep*: at every step the stock and the guarded
