@@ -2,12 +2,20 @@
 in processes of their own (spawned), which load vLLM's plugins themselves -- kvguard's
 (switched on by ``KVGUARD_GUARD=1`` in their environment) and the test model's. Stock
 and guarded engines side by side, as a client sees them; the worker's KV tensors are
-read through ``collective_rpc``.
+read through ``collective_rpc``. What an operator sees is the engine core's log
+(kvguard's start-up line, one warning per aborted request): the engine core writes it
+to its own stdout, which it inherits from this process while the engine is built.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,14 +42,41 @@ if HAVE_ENGINE:
     )
 
 
-def _engine(model_dir: str, guard: bool) -> Any:
+CORE_LOG: dict[str, Path] = {}
+"""What each engine's processes (engine core, worker) write to their stdout and
+stderr: this process's fds 1 and 2 while the engine was built, which they inherit."""
+
+
+@contextlib.contextmanager
+def _output_to(path: Path) -> Iterator[None]:
+    """This process's fds 1 and 2 -- and so those of the processes it starts --
+    appended to ``path`` while inside; put back on exit."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        for fd in saved:
+            os.dup2(target, fd)
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, old in saved.items():
+            os.dup2(old, fd)
+            os.close(old)
+        os.close(target)
+
+
+def _engine(model_dir: str, guard: bool, log: Path) -> Any:
     from vllm import LLM
 
     env = engine_env(guard)
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     saved = apply_env(env)
     try:
-        llm = LLM(model=model_dir, **ENGINE_KWARGS)
+        with _output_to(log):
+            llm = LLM(model=model_dir, **ENGINE_KWARGS)
     finally:
         restore_env(saved)
     assert type(llm.llm_engine.engine_core).__name__ == "SyncMPClient"
@@ -49,14 +84,46 @@ def _engine(model_dir: str, guard: bool) -> Any:
 
 
 @pytest.fixture(scope="module")
-def engines(model_dir: str, reference: Any) -> Iterator[dict[str, Any]]:
-    built = {"stock": _engine(model_dir, guard=False)}
+def engines(
+    model_dir: str, reference: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Any]]:
+    logs = tmp_path_factory.mktemp("engine-core-logs")
+    CORE_LOG.update(stock=logs / "stock.log", guarded=logs / "guarded.log")
+    built = {"stock": _engine(model_dir, guard=False, log=CORE_LOG["stock"])}
     try:
-        built["guarded"] = _engine(model_dir, guard=True)
+        built["guarded"] = _engine(model_dir, guard=True, log=CORE_LOG["guarded"])
         yield built
     finally:
         for llm in built.values():
             shutdown(llm)
+
+
+def _core_lines(name: str, needle: str = "kvguard:") -> list[str]:
+    with open(CORE_LOG[name], errors="replace") as f:
+        return [line.rstrip("\n") for line in f if needle in line]
+
+
+def _wait_for_lines(name: str, needle: str, count: int, timeout_s: float = 10) -> list[str]:
+    """The lines of engine ``name``'s log holding ``needle``, once there are ``count``
+    of them (or the timeout passed). The engine core logs before it sends the step's
+    outputs, but its writes are its own: the file may lag."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        lines = _core_lines(name, needle)
+        if len(lines) >= count or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.05)
+
+
+def _shown(name: str) -> str:
+    """Engine ``name``'s log for an assertion message: its kvguard lines and its end."""
+    with open(CORE_LOG[name], errors="replace") as f:
+        lines = f.read().splitlines()
+    kvguard = [line for line in lines if "kvguard" in line]
+    return "\n".join(
+        [f"{name} engine's log ({CORE_LOG[name]}), its kvguard lines:", *kvguard]
+        + ["... its last 30 lines:", *lines[-30:]]
+    )
 
 
 def test_the_engine_processes_run_the_test_model(engines: dict[str, Any]) -> None:
@@ -129,3 +196,90 @@ def test_no_nan_survives_in_the_kv_cache_once_reused(
         else:
             assert a_out.finish_reason == "error"
             assert not left, left
+
+
+CORE_PREFIX = re.compile(r"^\(EngineCore\S* pid=\d+\) INFO ")
+"""How vLLM's logger starts a line of the engine core process."""
+START_UP = re.compile(
+    r"^\((?P<process>EngineCore\S*) pid=(?P<pid>\d+)\) INFO .* kvguard: guard in force "
+    r"\(vLLM (?P<version>\S+), series (?P<series>\S+), GuardedScheduler\): workers "
+    r"checked: 1 OK; zero policy: suspect; prefix caching: on; connectors gated: none; "
+    r"KV cache groups guarded: 1 \(FullAttentionSpec\)$"
+)
+"""kvguard's start-up line, as the engine core logs it (vLLM's prefix, then the text)."""
+ABORT = re.compile(
+    r"^\((?P<process>EngineCore\S*) pid=(?P<pid>\d+)\) WARNING .* kvguard: aborted request "
+    r"(?P<request>\S+) \(finish reason 'error'\): the step computing its positions "
+    r"(?P<start>\d+)\.\.(?P<end>\d+) \(prompt (?P<prompt>\d+) tokens, (?P<output>\d+) "
+    r"output token\(s\)\) had (?P<nans>\d+) NaN logit\(s\); its tokens are not delivered, "
+    r"and its KV past its last validated step is quarantined \(never cached or offloaded, "
+    r"zeroed before reuse\)$"
+)
+"""kvguard's warning for an aborted request, as the engine core logs it."""
+
+
+def test_the_engine_core_logs_the_start_up_line_and_one_warning_per_abort(
+    engines: dict[str, Any],
+) -> None:
+    """The guarded engine core logs one INFO line at start-up: the guard in force,
+    the vLLM this process runs, the one worker it checked, the zero policy, no
+    connector, the one KV cache group. A (NaN in its second prefill chunk, positions
+    64..127) leaves one WARNING naming A's request id, its positions, its prompt and
+    its NaN count; B, clean and submitted with A, is not named. Stock (the plugin
+    loaded, the guard not asked for) logs no kvguard line at all."""
+    import vllm
+    from vllm import SamplingParams, TokensPrompt
+
+    # Both logs hold the engine core's own lines (vLLM's): the capture works.
+    for name in engines:
+        core = [line for line in _core_lines(name, "") if CORE_PREFIX.match(line)]
+        assert core, _shown(name)
+    start_up = _wait_for_lines("guarded", "kvguard: guard in force", 1)
+    assert len(start_up) == 1, _shown("guarded")
+    starting = START_UP.search(start_up[0])
+    assert starting, _shown("guarded")
+    assert starting["version"] == vllm.__version__, _shown("guarded")
+    assert starting["series"] == ".".join(vllm.__version__.split(".")[:2]), _shown("guarded")
+    core_pid = int(starting["pid"])
+    assert core_pid != os.getpid(), _shown("guarded")  # logged by the engine core process
+
+    # NaN from position 80: chunk 2. (Each engine fires a trigger once per position:
+    # no other test of the module arms position 80.)
+    a = with_token(tokens(130, 150), 80, trigger(0))
+    b = tokens(131, 40)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [TokensPrompt(prompt_token_ids=a), TokensPrompt(prompt_token_ids=b)]
+    for name, llm in engines.items():
+        seen = len(_core_lines(name, "kvguard: aborted"))
+        a_out, b_out = llm.generate(prompts, params, use_tqdm=False)
+        assert b_out.outputs[0].finish_reason == "length", name
+        assert (80, trigger(0)) in faults_fired(llm), name
+        if name == "stock":
+            assert a_out.outputs[0].finish_reason == "length"
+            # The engine core logs a step's aborts before it sends the step's outputs.
+            assert not _core_lines("stock"), _shown("stock")
+            continue
+        assert a_out.outputs[0].finish_reason == "error"
+        new = _wait_for_lines(name, "kvguard: aborted", seen + 1)[seen:]
+        assert len(new) == 1, _shown(name)
+        abort = ABORT.search(new[0])
+        assert abort, _shown(name)
+        # vLLM's engine request id: the client's (RequestOutput.request_id) and 8 hex
+        # digits of its own.
+        assert re.fullmatch(re.escape(a_out.request_id) + r"-[0-9a-f]{8}", abort["request"]), (
+            a_out.request_id,
+            _shown(name),
+        )
+        assert (abort["start"], abort["end"], abort["prompt"], abort["output"]) == (
+            "64",
+            "127",
+            "150",
+            "0",
+        ), _shown(name)
+        assert int(abort["nans"]) > 0, _shown(name)
+        assert int(abort["pid"]) == core_pid, _shown(name)
+        named_b = _core_lines(name, f"request {b_out.request_id}-")
+        assert not named_b, _shown(name)
+
+    # One start-up line for the engine's lifetime.
+    assert len(_core_lines("guarded", "kvguard: guard in force")) == 1, _shown("guarded")
