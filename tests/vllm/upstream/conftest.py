@@ -1,17 +1,29 @@
-"""vLLM's own KV-cache tests, vendored unmodified from each supported CUDA series'
-sdist (``v0_33/``, ``v0_34/``; see each file's header).
+"""vLLM's own unit tests, vendored unmodified from each supported CUDA series' sdist
+(``v0_33/``, ``v0_34/``; see each file's header).
 
-The modules here are vLLM's unit tests for ``BlockPool``, ``KVCacheManager`` and the
-single-type managers. They used to run a second time on kvguard's pass-through pool;
-pass-through is now vLLM's own ``BlockPool`` (kvguard builds nothing with the guard off,
-see tests/vllm/test_pass_through.py), so they run once, on vLLM's pool: the control for
-the installed vLLM, each series' tests on that series only (the folder names it), with
-the skip list :data:`SKIPPED` (by test name).
+The KV-cache tests (both series): vLLM's tests of ``BlockPool``, ``KVCacheManager`` and
+the single-type managers. They used to run a second time on kvguard's pass-through
+pool; pass-through is now vLLM's own ``BlockPool`` (kvguard builds nothing with the
+guard off, see tests/vllm/test_pass_through.py), so they run once, on vLLM's pool.
+
+The scheduler tests (``v0_34/`` only): vLLM's tests of its ``Scheduler`` and
+``AsyncScheduler`` driven by hand-built model-runner outputs (no model runs), with their
+helpers ``tests/v1/core/utils.py`` (``v0_34/utils.py``) and
+``tests/v1/kv_connector/unit/utils.py`` (``v0_34/kv_connector_unit_utils.py``);
+``v0_34/conftest.py`` registers them under their upstream names and stands in
+facebook/opt-125m's config.json for the Hugging Face hub (offline here).
+
+All are the control for the installed vLLM: each series' tests on that series only (the
+folder names it; a module that does not even import on another series is skipped
+whole), with the skip list :data:`SKIPPED` (by test name).
 
 Run: ``HF_HUB_OFFLINE=1 VLLM_TARGET_DEVICE=cpu python -m pytest tests/vllm/upstream``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +34,12 @@ import vllm
 from kvguard.adapters.vllm._compat import series_of
 
 _HERE = "tests/vllm/upstream/"
+
+_HUB_MODEL = (
+    "builds a ModelConfig for {} from the Hugging Face hub: offline here "
+    "(v0_34/conftest.py stands in facebook/opt-125m's config only, the helpers' default)"
+)
+_LLAVA = _HUB_MODEL.format("llava-hf/llava-1.5-7b-hf, a multimodal model")
 
 _REPO_HELPERS = (
     "imports a helper from vLLM's repository test tree that is not vendored here "
@@ -48,37 +66,60 @@ SKIPPED: dict[str, str] = {
             "tests.v1.kv_connector.unit.utils"
         )
     ),
-    "v0_34/test_prefix_caching.py::test_nixl_hisparse_full_block_import_keeps_a_writable_tail": (
-        _REPO_HELPERS.format(
-            "tests.v1.kv_connector.unit.utils.create_vllm_config, which also builds a "
-            "ModelConfig for facebook/opt-125m from the Hugging Face hub: offline here"
-        )
+    "v0_34/test_scheduler.py::test_mamba_decode_checkpoint_publication": (
+        _HUB_MODEL.format("Qwen/Qwen3-0.6B")
     ),
-    "v0_34/test_prefix_caching.py::test_hisparse_admitted_async_loads_can_finish_with_nothing_running": (  # noqa: E501
-        _REPO_HELPERS.format(
-            "tests/v1/core/utils.py via `from .utils import`, which itself imports "
-            "tests.v1.kv_connector.unit.utils"
-        )
+    "v0_34/test_scheduler.py::test_streaming_lookahead_hashes_follow_recomputed_kv": (
+        _HUB_MODEL.format("Qwen/Qwen3-Next-80B-A3B-Instruct")
     ),
-    "v0_34/test_prefix_caching.py::test_hisparse_async_admission_fits_beside_inflight_import": (
-        _REPO_HELPERS.format(
-            "tests/v1/core/utils.py via `from .utils import`, which itself imports "
-            "tests.v1.kv_connector.unit.utils"
-        )
-    ),
-    "v0_34/test_prefix_caching.py::test_hisparse_import_reservation_does_not_gate_local_admissions": (  # noqa: E501
-        _REPO_HELPERS.format(
-            "tests/v1/core/utils.py via `from .utils import`, which itself imports "
-            "tests.v1.kv_connector.unit.utils"
-        )
-    ),
-    "v0_34/test_prefix_caching.py::test_hisparse_import_reservation_released": (
-        _REPO_HELPERS.format(
-            "tests/v1/core/utils.py via `from .utils import`, which itself imports "
-            "tests.v1.kv_connector.unit.utils"
-        )
+    "v0_34/test_scheduler.py::test_encoder_cache_rejects_mismatched_embed_count": (
+        _LLAVA + "; its fixture caplog_vllm comes from vLLM's tests/conftest.py, not vendored"
     ),
 }
+SKIPPED.update(
+    (f"v0_34/test_scheduler.py::{test}", _LLAVA)
+    for test in (
+        # The multimodal (encoder cache, EC connector) tests, all on llava-1.5-7b-hf.
+        "test_schedule_multimodal_requests",
+        "test_encoder_cache_pressure_respects_disabled_chunked_prefill",
+        "test_schedule_partial_requests",
+        "test_encoder_only_prompt_longer_than_budget_is_chunked",
+        "test_same_step_duplicate_encoder_input_stays_cached",
+        "test_no_mm_input_chunking",
+        "test_no_mm_input_chunking_for_same_step_duplicate",
+        "test_no_mm_input_chunking_at_item_boundary",
+        "test_no_mm_input_chunking_after_prefix_cache_hit_inside_item",
+        "test_ec_connector_text_only_request",
+        "test_ec_connector_cache_hit_external_load",
+        "test_ec_connector_cache_miss_computes_locally",
+        "test_ec_connector_with_partial_cache_hit_multi_round",
+        "test_ec_connector_schedule_multiple_requests",
+        "test_ec_connector_unable_to_allocate",
+        "test_priority_scheduling_ec_connector_preemption_and_resumption",
+        "test_ec_connector_allocate_encoder_tokens_with_external_load",
+        "test_ec_connector_update_connector_output_called",
+        "test_eagle3_mm_encoder_cache_with_shift",
+        "test_free_encoder_inputs_respects_unconfirmed_placeholders",
+        "test_free_encoder_inputs_notifies_the_ec_connector",
+        "test_unavailable_encoder_input_fails_the_request_as_retryable",
+        "test_encoder_cache_accepts_matching_embed_count",
+        "test_encoder_cache_embed_count_mismatch_restores_prior_hit_state",
+        "test_encoder_cache_rejects_mismatched_embed_count_within_request",
+        "test_free_encoder_inputs_unchanged_without_spec_decode",
+        "test_waiting_encoder_stall_does_not_starve_later_requests",
+        "test_waiting_encoder_stall_is_counted_as_deferred",
+        "test_waiting_encoder_stall_kv_holder_keeps_drain_priority",
+        "test_encoder_cache_retained_across_preemption_and_resume",
+        "test_encoder_cache_recomputed_when_evicted_during_preemption",
+        "test_ec_connector_ensure_cache_available_defers_request",
+        "test_ec_connector_waits_for_embeddings_in_prefix_replay",
+        "test_ec_connector_defers_running_request_for_async_reload",
+        "test_cpu_encoder_input_updates_wait_for_completed_prefill",
+        "test_cpu_encoder_input_updates_resume_and_abort",
+        "test_cpu_encoder_input_updates_restore_after_kv_load_failure",
+        "test_cpu_encoder_input_updates_preserve_shm_handles",
+    )
+)
 
 OTHER_SERIES = (
     "vLLM {vendored}.0's own unit tests, vendored from its sdist, test the API of that "
@@ -89,9 +130,18 @@ OTHER_SERIES = (
 )
 
 
+def _installed_series() -> str:
+    return series_of(vllm.__version__)
+
+
+def folder_series(path: Path) -> str:
+    """``"0.34"`` for a module in ``upstream/v0_34/``."""
+    return path.parent.name[1:].replace("_", ".")
+
+
 def vendored_series(item: pytest.Item) -> str:
     """``"0.34"`` for a test in ``upstream/v0_34/``."""
-    return item.path.parent.name[1:].replace("_", ".")
+    return folder_series(item.path)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -102,13 +152,52 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+class OtherSeriesModule(pytest.Module):
+    """A vendored module of another series than the installed one: if it does not even
+    import there (it imports that series' API, or its helpers, which
+    ``v0_34/conftest.py`` registers on 0.34 only), the module is skipped whole with
+    :data:`OTHER_SERIES` and the import error, rather than failing the collection."""
+
+    def collect(self) -> Iterable[pytest.Item | pytest.Collector]:
+        try:
+            self.obj  # noqa: B018 (imports the module)
+        except self.CollectError as error:
+            if not isinstance(error.__cause__, ImportError):
+                raise
+            cause = error.__cause__
+            reason = OTHER_SERIES.format(
+                vendored=folder_series(self.path), installed=vllm.__version__
+            )
+            module = self.path.as_posix().split(_HERE, 1)[-1]
+            pytest.skip(
+                f"{reason} ({module} does not import here: {type(cause).__name__}: {cause}.)",
+                allow_module_level=True,
+            )
+        return super().collect()
+
+
+def pytest_pycollect_makemodule(
+    module_path: Path, parent: pytest.Collector
+) -> pytest.Module | None:
+    if _HERE not in module_path.as_posix() or folder_series(module_path) == _installed_series():
+        return None  # pytest's own Module
+    return OtherSeriesModule.from_parent(parent, path=module_path)
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    # kvguard's `vllm` marker (CI selects ``-m vllm``): the vendored modules that set
+    # `pytestmark` carry it there; this marks those that have none upstream.
+    if _HERE in item.path.as_posix() and item.get_closest_marker("vllm") is None:
+        item.add_marker(pytest.mark.vllm)
+
+
 def _key(item: pytest.Item) -> str:
     # "tests/vllm/upstream/v0_33/test_x.py::test_f[params]" -> "v0_33/test_x.py::test_f"
     return item.nodeid.split("[", 1)[0].split(_HERE, 1)[-1]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    installed = series_of(vllm.__version__)
+    installed = _installed_series()
     for item in items:
         if _HERE not in item.path.as_posix():
             continue
