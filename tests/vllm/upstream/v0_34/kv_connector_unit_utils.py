@@ -9,10 +9,6 @@
 # Changes: this header, and the file's name (upstream: utils.py in that folder).
 # Nothing else: v0_34/conftest.py registers it as `tests.v1.kv_connector.unit.utils`,
 # the name under which utils.py and the tests here import it.
-# The three lines below keep kvguard's ruff (lint, format) and mypy off vendored code.
-# fmt: off
-# ruff: noqa
-# mypy: ignore-errors
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 import tempfile

@@ -9,10 +9,6 @@
 # Changes: this header (a helper of the tests beside it, which import it as `.utils`).
 # Nothing else: its `from tests.v1.kv_connector.unit.utils import` gets
 # kv_connector_unit_utils.py here, which v0_34/conftest.py registers under that name.
-# The three lines below keep kvguard's ruff (lint, format) and mypy off vendored code.
-# fmt: off
-# ruff: noqa
-# mypy: ignore-errors
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 
