@@ -72,6 +72,7 @@ _MUTATORS = (
     "fail_step",
     "free",
     "zero_request_tail",
+    "roll_back_blocks",
     "allocate_blocks",
     "acquire_blocks",
     "release_blocks",
@@ -230,6 +231,7 @@ class BlockPool:
 
     # Fault recovery (kvguard.recovery).
     zero_request_tail = _forwarded("_recovery", Recovery.zero_request_tail)
+    roll_back_blocks = _forwarded("_recovery", Recovery.roll_back_blocks)
 
     # Block-level steps (kvguard.block_steps).
     allocate_blocks = _forwarded("_block_steps", BlockSteps.allocate_blocks)

@@ -1,4 +1,5 @@
-"""Fault recovery: roll a request back to its surviving KV (``zero_request_tail``).
+"""Fault recovery: roll a request back to its surviving KV (``zero_request_tail``), or
+an engine's own block tables back to theirs (``roll_back_blocks``).
 
 The pool plans the rollback and queues the token slots to wipe (sans-IO); the kernels
 layer (:class:`kvguard.kernels.CacheWiper`) executes the wipe on the device.
@@ -7,18 +8,21 @@ layer (:class:`kvguard.kernels.CacheWiper`) executes the wipe on the device.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 
 from kvguard import arguments
 from kvguard.errors import PoolMisuseError, RollbackError
 from kvguard.pool_core import PoolCore, _cdiv
 from kvguard.results import SlotRange, TailRollback
-from kvguard.states import MATCHABLE_STATES
+from kvguard.states import MATCHABLE_STATES, BlockState
 
 
 class Recovery:
     """Rolling a request back to its validated boundary (``zero_request_tail``)."""
 
     __slots__ = ("_block_size", "_core", "_kernel")
+
+    _ROLLABLE = (BlockState.WRITTEN, BlockState.VALIDATED)
 
     def __init__(self, core: PoolCore) -> None:
         self._core = core
@@ -98,3 +102,46 @@ class Recovery:
                 del rec.block_hashes[len(rec.token_ids) // size :]
         kernel.counters.slots_zeroed += old - boundary
         return TailRollback(request_id, boundary, old - boundary, tuple(slots))
+
+    def roll_back_blocks(self, tails: Mapping[int, int]) -> tuple[SlotRange, ...]:
+        """Roll block-level-held blocks back to the tokens they keep: ``{block_id:
+        keep}``, ``0 <= keep < block_size``.
+
+        For an engine with its own block tables (the vLLM adapter) whose request
+        resumes from its validated KV after a fault: each block's token slots from
+        ``keep`` to its end are queued for ``take_slots_to_zero`` (a partial block keeps
+        its valid prefix), and the block is WRITTEN again by one step -- its holder's
+        next step rewrites and validates it. Its hash and any deferred publication are
+        void, and its generation moves on (a tier copy begun before is dropped).
+
+        Only a block its one block-level holder alone sees (WRITTEN or VALIDATED,
+        one reference) can be rolled back; one others can match or hold raises
+        :class:`RollbackError` and nothing changes. Returns the queued slot ranges.
+        """
+        if not isinstance(tails, Mapping):
+            raise PoolMisuseError(
+                f"roll_back_blocks() takes a mapping {{block_id: tokens kept}}, got "
+                f"{arguments.got(tails)}"
+            )
+        size = self._block_size
+        kernel = self._kernel
+        planned: list[tuple[int, int]] = []
+        for raw_id, raw_keep in tails.items():
+            block = self._core.block(raw_id)  # raises UnknownBlockError
+            keep = arguments.count("tokens kept", raw_keep)
+            if keep >= size:
+                raise PoolMisuseError(
+                    f"block {block.block_id} keeps {keep} tokens: a rollback keeps fewer "
+                    f"than the block's {size}; leave a block that keeps all out"
+                )
+            kernel.check_block_level(block.block_id)
+            if block.state not in self._ROLLABLE or block.ref_cnt != 1:
+                raise RollbackError(
+                    f"block {block.block_id} ({block.state.name}, ref_cnt={block.ref_cnt}) "
+                    "cannot be rolled back: only a WRITTEN or VALIDATED block its one "
+                    "holder alone sees can be; invalidate() a published block's hash instead"
+                )
+            planned.append((block.block_id, keep))
+        if len({block_id for block_id, _ in planned}) != len(planned):
+            raise PoolMisuseError("roll_back_blocks() names a block twice")
+        return tuple(kernel.rollback_held(block_id, keep, size) for block_id, keep in planned)

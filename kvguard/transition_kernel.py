@@ -886,6 +886,26 @@ class TransitionKernel:
         self.zero.add_slots((slots,))
         return slots
 
+    def rollback_held(self, block_id: int, keep: int, block_size: int) -> SlotRange:
+        """``roll_back_blocks`` on a block-level-held block (checked: WRITTEN or
+        VALIDATED, its holder's alone): its slots ``keep:block_size`` are queued for
+        wiping, and it goes ROLLBACK to ALLOCATED and WRITE back to WRITTEN, with one
+        writer -- its holder's next step writes it again, and validates it. Its hash,
+        a deferred publication and the writers in flight are void; its generation moves
+        on (a copy begun before is dropped)."""
+        block = self.blocks[block_id]
+        self._move(block, _ROLLBACK)
+        block.block_hash = None
+        block.parent_hash = None
+        block.generation += 1
+        self.deferred.pop(block_id, None)
+        self._move(block, _WRITE)
+        self.writers[block_id] = 1
+        slots = SlotRange(block_id, keep, block_size)
+        self.zero.add_slots((slots,))
+        self.counters.slots_zeroed += block_size - keep
+        return slots
+
 
 def _build_records(block_type: type[Block], num_blocks: int) -> list[Block]:
     """One record per block id. The cyclic garbage collector pauses meanwhile: a large
