@@ -45,6 +45,13 @@ class GuardMetrics:
     """Scheduled steps whose output never came back (vLLM's fault tolerance drops the
     outputs of the steps in flight): what they filled waits for a counted step."""
 
+    requests_recovered: int = 0
+    """Requests ``recover()`` rolled back to their validated KV (they resume)."""
+    tokens_rolled_back: int = 0
+    """Tokens the lost steps of recovered requests had computed: recomputed."""
+    requests_unrecoverable: int = 0
+    """Requests ``recover()`` could not resume, finished with an error."""
+
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}
 
@@ -60,6 +67,9 @@ _HELP = {
         "Window frees of blocks a step in flight may still write (quarantined)"
     ),
     "steps_lost": "Scheduled steps whose output never came back (engine fault tolerance)",
+    "requests_recovered": "Requests recover() rolled back to their validated KV (they resume)",
+    "tokens_rolled_back": "Tokens of recovered requests' lost steps (recomputed)",
+    "requests_unrecoverable": "Requests recover() could not resume (finished with an error)",
 }
 
 CONNECTOR_HELP = {

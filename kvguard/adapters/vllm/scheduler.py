@@ -35,10 +35,11 @@ is vLLM's own code, not a mode of the guarded classes.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 from kvguard.adapters.vllm._compat import require_supported_vllm, series_of
+from kvguard.results import SlotRange
 from kvguard.zeroing import ZeroPolicy
 
 require_supported_vllm()
@@ -67,6 +68,13 @@ from .plugin import (  # noqa: E402
     stock_needs_zeroing,
     worker_counts_per_request,
     workers_checked,
+)
+from .recovery import (  # noqa: E402
+    RecoveryReport,
+    ResumedRequest,
+    requests_to_recover,
+    roll_back_request,
+    why_not_resumable,
 )
 from .step_ledger import HeldFills, StepLedger, StepRecord  # noqa: E402
 
@@ -179,6 +187,9 @@ class _GuardMixin:
         self._kvguard_unchecked: set[str] = set()
         # The request whose window, local chunk or R-SWA gap vLLM is freeing now.
         self._kvguard_window: str | None = None
+        # Token slots recover() rolled back, for the workers to wipe before the next
+        # step (SchedulerOutput.kvguard_slots_to_zero).
+        self._kvguard_slots: list[SlotRange] = []
         # Every publication held back, per step in flight (and what else waits).
         self._kvguard_ledger = StepLedger(settles=self._kvguard_fill_settled)
         managers = self.kv_cache_manager.coordinator.single_type_managers
@@ -392,7 +403,68 @@ class _GuardMixin:
         ledger.open()
         scheduler_output = super().schedule(*args, **kwargs)  # type: ignore[misc]
         ledger.seal(scheduler_output, scheduler_output.num_scheduled_tokens)
+        if self._kvguard_slots:  # after recover(): wiped before this step's forward
+            scheduler_output.kvguard_slots_to_zero = self._kvguard_slots
+            self._kvguard_slots = []
         return scheduler_output
+
+    # ------------------------------------------------------------------ recovery
+
+    def recover(self, request_ids: Iterable[str] | None = None) -> RecoveryReport:
+        """Roll requests whose steps in flight are lost back to their validated KV, so
+        that they resume instead of being aborted (see :mod:`.recovery`).
+
+        ``request_ids``: the requests to roll back (default: every request with a step
+        in flight). Call it when those steps' outputs will never be processed -- after
+        a fault, before the next ``schedule()``. Each request resumes from the end of
+        the tokens its clean steps computed; the token slots past it are wiped on the
+        workers before the next step. A request that cannot resume is finished with
+        ``FINISHED_ERROR`` (logged with the reason) and returned in ``ended``: its
+        client must be told, as for an abort.
+        """
+        ledger = self._kvguard_ledger
+        resumed: list[ResumedRequest] = []
+        unresumable: dict[str, str] = {}
+        for req_id in requests_to_recover(self, request_ids):
+            request = self.requests[req_id]
+            if request.is_finished():
+                continue
+            in_flight = ledger.tokens_in_flight(req_id)
+            if not in_flight:
+                continue
+            boundary = request.num_computed_tokens - in_flight
+            reason = why_not_resumable(self, request, boundary)
+            if reason is not None:
+                unresumable[req_id] = reason
+                continue
+            roll_back_request(self, request, boundary)
+            resumed.append(ResumedRequest(req_id, boundary, in_flight))
+        ended = []
+        if unresumable:
+            self._kvguard_failing = dict.fromkeys(unresumable, 0)
+            try:
+                finished = self.finish_requests(  # type: ignore[attr-defined]
+                    list(unresumable), RequestStatus.FINISHED_ERROR
+                )
+            finally:
+                self._kvguard_failing = {}
+            for request in finished:
+                reason = unresumable[request.request_id]
+                logger.warning(
+                    "kvguard: request %s cannot resume after the fault (finish reason "
+                    "'error'): %s; its KV past its last validated step is quarantined",
+                    request.request_id,
+                    reason,
+                )
+                ended.append((request, reason))
+        # kvguard's pool queued the slots to wipe; they travel with the next step.
+        slots = self.kvguard_pool.core.take_slots_to_zero()
+        self._kvguard_slots += slots
+        metrics = self.kvguard_metrics
+        metrics.requests_recovered += len(resumed)
+        metrics.tokens_rolled_back += sum(r.rolled_back for r in resumed)
+        metrics.requests_unrecoverable += len(ended)
+        return RecoveryReport(tuple(resumed), tuple(ended), tuple(slots))
 
     def _get_new_block_ids_to_zero(self) -> list[int] | None:
         ids: list[int] | None = super()._get_new_block_ids_to_zero()  # type: ignore[misc]

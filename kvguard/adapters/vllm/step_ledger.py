@@ -221,6 +221,16 @@ class StepLedger:
                 return True
         return False
 
+    def requests_in_flight(self) -> list[str]:
+        """Every request a step still in flight computes for (in step order, once)."""
+        seen: dict[str, None] = {}
+        for record in self._steps:
+            dropped = record.dropped
+            for req_id in record.scheduled:
+                if req_id not in dropped:
+                    seen[req_id] = None
+        return list(seen)
+
     def tokens_in_flight(self, request_id: str) -> int:
         """Tokens of the request that steps still in flight compute (for it as it is
         now: steps scheduled before it was preempted or freed do not count)."""
@@ -288,6 +298,22 @@ class StepLedger:
             if request_id in record.scheduled or request_id in record.fills:
                 record.fills.pop(request_id, None)
                 record.dropped.add(request_id)
+
+    def roll_back(self, request_id: str) -> list[int]:
+        """The request's steps in flight will never report back for it, but it stays
+        (``recover``): each forgets it as for a freed request, and the blocks they
+        filled are returned -- their publications and held events are dropped (what
+        they held is rolled back; the request's next steps fill and note them again).
+        What it carried stays its own to vouch for."""
+        filled: list[int] = []
+        for record in self._steps:
+            if request_id in record.scheduled or request_id in record.fills:
+                for block_id in record.fills.pop(request_id, ()):
+                    record.publications.pop(block_id, None)
+                    self.events.pop(block_id, None)
+                    filled.append(block_id)
+                record.dropped.add(request_id)
+        return filled
 
     # ------------------------------------------------------------------ checks
 

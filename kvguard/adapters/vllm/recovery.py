@@ -1,0 +1,126 @@
+"""``recover``: requests whose steps in flight are lost resume from their validated KV.
+
+After a fault (a worker's forward raised, an engine step never reported back) vLLM
+aborts every request, and every client loses its answer. The guarded scheduler knows,
+for each request, where its validated KV ends: the tokens its steps that reported back
+clean computed. :func:`recover` rolls each request back to that boundary instead:
+
+* its computed tokens go back to the boundary (tokens already delivered to the client
+  stay delivered: their ids are kept, only KV past the boundary is recomputed), and
+  what vLLM keeps per step in flight is dropped (output placeholders under async
+  scheduling, draft tokens);
+* the blocks past the boundary stay the request's: kvguard's pool rolls them back
+  (:meth:`kvguard.BlockPool.roll_back_blocks`), so the slots past the boundary are
+  wiped on every worker before the request's next step -- a partial block keeps its
+  validated prefix -- and what vLLM had cached of them at schedule time is cached
+  again, and published, only when the step recomputing them validates. Full blocks
+  below the boundary keep serving prefix hits;
+* the steps in flight forget the request, so an output of theirs validates nothing.
+
+A request that cannot resume -- its last steps came back without a NaN count (no
+validated boundary is known), or a sliding window already freed KV the recomputation
+needs -- is ended with ``FINISHED_ERROR`` as vLLM's abort would, its unvalidated blocks
+quarantined, and the log says which and why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvguard.errors import PoolMisuseError, UnknownRequestError
+from kvguard.results import SlotRange
+
+
+@dataclass(frozen=True)
+class ResumedRequest:
+    """A request rolled back by :func:`recover`."""
+
+    request_id: str
+    boundary: int
+    """Its computed tokens now: the end of its validated KV."""
+    rolled_back: int
+    """Tokens its lost steps had computed past the boundary: recomputed."""
+
+
+@dataclass(frozen=True)
+class RecoveryReport:
+    """What :func:`recover` did."""
+
+    resumed: tuple[ResumedRequest, ...] = ()
+    """Requests rolled back to their validated boundary; they resume with the next step."""
+    ended: tuple[tuple[Any, str], ...] = ()
+    """Requests that could not resume, finished with ``FINISHED_ERROR``: (vLLM's
+    ``Request``, why). Their clients still have to be told (vLLM's engine core sends
+    the outputs of requests it finished this way, e.g. ``_send_abort_outputs``)."""
+    slots: tuple[SlotRange, ...] = field(default=())
+    """Token slots the workers wipe before the next step (``kvguard_slots_to_zero``)."""
+
+
+def requests_to_recover(scheduler: Any, request_ids: Iterable[str] | None) -> list[str]:
+    """``request_ids`` checked (each a request the scheduler holds), or by default every
+    request with a step in flight."""
+    if request_ids is None:
+        return scheduler._kvguard_ledger.requests_in_flight()
+    if isinstance(request_ids, str):
+        raise PoolMisuseError(
+            f"recover() takes an iterable of request ids, got the str {request_ids!r}; "
+            f"pass [{request_ids!r}]"
+        )
+    ids = list(request_ids)
+    for req_id in ids:
+        if not isinstance(req_id, str) or req_id not in scheduler.requests:
+            raise UnknownRequestError(
+                str(req_id),
+                f"recover(): the scheduler holds no request {req_id!r} (finished, or never added)",
+            )
+    return list(dict.fromkeys(ids))
+
+
+def why_not_resumable(scheduler: Any, request: Any, boundary: int) -> str | None:
+    """Why the request cannot resume from ``boundary``, or None."""
+    req_id = request.request_id
+    if req_id in scheduler._kvguard_unchecked:
+        return (
+            "its last step(s) came back without a NaN count, so no validated boundary "
+            "is known to resume from"
+        )
+    for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
+        blocks = manager.req_to_blocks.get(req_id, ())
+        size = manager.block_size
+        needed_from = manager.get_num_skipped_tokens(boundary) // size
+        for i in range(needed_from, min(boundary // size + 1, len(blocks))):
+            if blocks[i].is_null:
+                return (
+                    f"its {type(manager).__name__} freed KV (block {i}) that recomputing "
+                    f"from token {boundary} needs"
+                )
+    return None
+
+
+def roll_back_request(scheduler: Any, request: Any, boundary: int) -> None:
+    """Roll ``request`` back to ``boundary`` (checked resumable): its KV past it (the
+    slots to wipe are queued in kvguard's pool), vLLM's per-step state, and the
+    ledger's steps in flight."""
+    req_id = request.request_id
+    old = request.num_computed_tokens
+    scheduler._kvguard_ledger.roll_back(req_id)
+    tails: dict[int, int] = {}
+    for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
+        blocks = manager.req_to_blocks.get(req_id, ())
+        size = manager.block_size
+        first = boundary // size
+        for i in range(first, min(-(-old // size), len(blocks))):
+            block = blocks[i]
+            if not block.is_null:
+                tails[block.block_id] = max(0, boundary - i * size)
+        # vLLM cached the full blocks past the boundary when it scheduled the lost
+        # steps: it caches them again when the steps recomputing them are scheduled.
+        cached = manager.num_cached_block
+        if cached.get(req_id, 0) > first:
+            cached[req_id] = first
+    scheduler.kvguard_pool.core.roll_back_blocks(tails)
+    request.num_computed_tokens = boundary
+    request.num_output_placeholders = 0
+    request.spec_token_ids = []
