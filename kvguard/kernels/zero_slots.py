@@ -106,7 +106,7 @@ def zero_slots_ref(layout: KVCacheLayout, slots: torch.Tensor) -> None:
     kind = layout.kind
     # cache[..., block, ..., token, ...]: blocks and tokens indexed together (advanced
     # indexing pairs them), every other dim whole.
-    index: list[object] = [slice(None)] * kind.ndim
+    index: list[slice | torch.Tensor] = [slice(None)] * kind.ndim
     index[kind.block_dim] = blocks
     index[kind.token_dim] = tokens
     where = tuple(index)

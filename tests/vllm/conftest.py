@@ -64,23 +64,31 @@ def undo_plugin_patches_after(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def undo_runner_patches_after(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The model runners' per-request NaN counting (``worker_nans.install``) is put
-    back when ``monkeypatch`` undoes its changes: V2's ``sample``, and V1's runner
-    where the series has one."""
+    """The model runners' patches -- per-request NaN counting (``worker_nans``) and
+    the slot wipe (``worker_slots``) -- are put back when ``monkeypatch`` undoes its
+    changes: V2's runner, and V1's where the series has one."""
     import sys
 
     import vllm.v1.worker.gpu.model_runner as v2_runner
 
-    from kvguard.adapters.vllm import worker_nans
+    from kvguard.adapters.vllm import worker_nans, worker_slots
     from kvguard.adapters.vllm._compat import has_v1_model_runner
 
     monkeypatch.setattr(worker_nans, "_installed", False)
+    monkeypatch.setattr(worker_slots, "_installed", False)
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
-    monkeypatch.setattr(v2_runner.GPUModelRunner, "sample", v2_runner.GPUModelRunner.sample)
+    v2 = v2_runner.GPUModelRunner
+    monkeypatch.setattr(v2, "sample", v2.sample)
+    monkeypatch.setattr(v2, "update_requests", v2.update_requests)
+    cpu = sys.modules.get(worker_slots.CPU_RUNNER)  # (0.34's x86 CPU runner)
+    if cpu is not None:
+        cpu_runner = cpu.StandaloneCPUModelRunner
+        monkeypatch.setattr(cpu_runner, "update_requests", cpu_runner.update_requests)
     if has_v1_model_runner():
         import vllm.v1.worker.gpu_model_runner as v1_runner
 
         monkeypatch.setattr(v1_runner, "count_nans_per_row", v1_runner.count_nans_per_row)
         runner = v1_runner.GPUModelRunner
+        monkeypatch.setattr(runner, "_update_states", runner._update_states)
         monkeypatch.setattr(runner, "_bookkeeping_sync", runner._bookkeeping_sync)
         monkeypatch.setattr(runner, "_get_nans_in_logits", runner._get_nans_in_logits)

@@ -46,7 +46,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from kvguard.adapters.vllm import metrics, worker_nans
+from kvguard.adapters.vllm import metrics, worker_nans, worker_slots
 from kvguard.adapters.vllm._compat import (
     has_v1_model_runner,
     require_supported_vllm,
@@ -105,6 +105,7 @@ def activate(*, by_config: bool = False) -> None:
     _patch_scheduler_cls()
     _patch_connector_cls()
     worker_nans.install()
+    worker_slots.install()
     _active = True
     _by_config = _by_config or by_config
 

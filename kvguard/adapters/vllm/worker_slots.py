@@ -1,0 +1,148 @@
+"""The workers wipe the token slots ``recover()`` rolled back, before the step's forward.
+
+The guarded scheduler sends them with the next step as
+``SchedulerOutput.kvguard_slots_to_zero``: kvguard ``SlotRange``s (block, first token,
+end) in the scheduler's blocks. :func:`install` (run by kvguard's plugin in every
+process vLLM starts) makes the model runners wipe them at the start of the step, where
+they zero ``new_block_ids_to_zero``: V1's ``_update_states`` (0.32, 0.33), V2's
+``update_requests`` and that of 0.34's x86 CPU runner. Every layer of a cache layout is
+wiped in one launch of kvguard's ``zero_slots`` (its torch reference on CPU); the other
+tokens of a block -- a partial block's validated prefix -- keep every byte.
+
+Which layout a layer's cache has comes from its attention backend
+(:data:`LAYOUT_OF_BACKEND`). A step carrying slots for a layer whose backend kvguard
+does not know raises :class:`~kvguard.adapters.vllm.block_pool.GuardModeUnsupported`
+rather than leaving the slots as they are.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+from kvguard.results import SlotRange
+
+from .worker_nans import V1_RUNNER, V2_RUNNER, _PatchOnImport
+
+SLOTS_FIELD = "kvguard_slots_to_zero"
+"""The ``SchedulerOutput`` attribute the guarded scheduler puts the slots in."""
+
+LAYOUT_OF_BACKEND = {
+    "CPU_ATTN": "CPU_ATTN",
+    "FLASH_ATTN": "FLASH_ATTN",
+    "FLASHINFER": "FLASHINFER",
+    "FLASHMLA": "MLA",
+    "TRITON_MLA": "MLA",
+    "CUTLASS_MLA": "MLA",
+    "FLASH_ATTN_MLA": "MLA",
+}
+"""vLLM attention backend name -> kvguard ``LayoutKind`` name of its KV cache."""
+
+_MARK = "_kvguard_wipes_slots"
+_installed = False
+
+
+def slot_ids(slots: Sequence[SlotRange], block_size: int) -> list[int]:
+    """Token slot ids ``block * block_size + offset`` (the scheduler's block size: a
+    cache whose kernel blocks are smaller addresses the same token at the same id)."""
+    return [s.block_id * block_size + t for s in slots for t in range(s.start, s.end)]
+
+
+def cache_layouts(runner: Any) -> list[Any]:
+    """The runner's attention caches as kvguard layouts: one per backend and tensor
+    geometry (one launch each)."""
+    import torch
+
+    from kvguard.kernels import KVCacheLayout, LayoutKind
+
+    from .block_pool import GuardModeUnsupported
+
+    forward_context = runner.compilation_config.static_forward_context
+    grouped: dict[tuple[Any, ...], list[Any]] = {}
+    for groups in runner.attn_groups:
+        for group in groups:
+            backend = group.backend.get_name()
+            for layer in group.layer_names:
+                cache = getattr(forward_context.get(layer), "kv_cache", None)
+                if not isinstance(cache, torch.Tensor):
+                    continue
+                kind = LAYOUT_OF_BACKEND.get(backend)
+                if kind is None:
+                    raise GuardModeUnsupported(
+                        f"kvguard cannot wipe token slots in layer {layer}'s KV cache: it "
+                        f"does not know the layout of attention backend {backend} "
+                        f"(known: {', '.join(sorted(LAYOUT_OF_BACKEND))})"
+                    )
+                key = (kind, tuple(cache.shape), cache.stride(), cache.dtype)
+                grouped.setdefault(key, []).append(cache)
+    return [KVCacheLayout(caches, LayoutKind[key[0]]) for key, caches in grouped.items()]
+
+
+def wipe_slots(runner: Any, slots: Sequence[SlotRange]) -> int:
+    """Zero ``slots`` in every attention layer of ``runner``; the slots wiped per layout."""
+    import torch
+
+    from kvguard.kernels import zero_slots
+
+    layouts = getattr(runner, "_kvguard_layouts", None)
+    if layouts is None:
+        layouts = runner._kvguard_layouts = cache_layouts(runner)
+    ids = slot_ids(slots, runner.cache_config.block_size)
+    wiped = 0
+    for layout in layouts:
+        tensor = torch.tensor(ids, dtype=torch.int64, device=layout.device)
+        wiped += zero_slots(layout, tensor)
+    return wiped
+
+
+def _wiping_first(stock: Callable[..., Any]) -> Callable[..., Any]:
+    def step_start(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        slots = getattr(scheduler_output, SLOTS_FIELD, None)
+        if slots:
+            wipe_slots(self, slots)
+        return stock(self, scheduler_output, *args, **kwargs)
+
+    setattr(step_start, _MARK, True)
+    step_start.__wrapped__ = stock  # type: ignore[attr-defined]
+    step_start.__doc__ = stock.__doc__
+    return step_start
+
+
+def _patch(cls: str, method: str) -> Callable[[ModuleType], None]:
+    def patch(module: ModuleType) -> None:
+        runner = getattr(module, cls)
+        stock = getattr(runner, method)
+        if not getattr(stock, _MARK, False):
+            setattr(runner, method, _wiping_first(stock))
+
+    return patch
+
+
+CPU_RUNNER = "vllm.v1.worker.cpu.standalone_model_runner"
+"""vLLM 0.34's x86 CPU runner (not a subclass of the V2 GPU runner)."""
+
+_PATCHES: dict[str, Callable[[ModuleType], None]] = {
+    V1_RUNNER: _patch("GPUModelRunner", "_update_states"),
+    V2_RUNNER: _patch("GPUModelRunner", "update_requests"),
+    CPU_RUNNER: _patch("StandaloneCPUModelRunner", "update_requests"),
+}
+
+
+def install() -> None:
+    """Make vLLM's model runners wipe ``kvguard_slots_to_zero`` (see the module doc):
+    at once for a runner module already imported, else when it is. Idempotent."""
+    for name, patch in _PATCHES.items():
+        module = sys.modules.get(name)
+        if module is not None:
+            patch(module)
+    if not any(isinstance(f, _PatchOnImport) and f.patches is _PATCHES for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport(_PATCHES))
+    global _installed
+    _installed = True
+
+
+def installed() -> bool:
+    """Whether :func:`install` ran in this process."""
+    return _installed
