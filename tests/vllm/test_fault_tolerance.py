@@ -157,3 +157,52 @@ def test_an_output_for_a_step_the_ledger_never_saw_is_still_checked() -> None:
     empty = s.update_from_output(nothing, model_output(s, nothing))
     assert not finish_reasons(empty)
     assert len(s._kvguard_ledger) == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("guarded", [True, False], ids=["guarded", "stock"])
+def test_with_the_plugin_a_fault_resumes_requests_instead_of_aborting_them(
+    guarded: bool, async_scheduling: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kvguard's plugin wraps vLLM's ``on_fault``: on a guarded scheduler the abort of
+    every request becomes ``recover()``; after the retry the requests run to the end.
+    vLLM's own scheduler under the same patch: every request aborted, as without it."""
+    from kvguard.adapters.vllm import plugin
+
+    from .conftest import undo_plugin_patches_after
+
+    undo_plugin_patches_after(monkeypatch)
+    monkeypatch.setattr(EngineCoreSentinel, "on_fault", EngineCoreSentinel.on_fault)
+    plugin._patch_fault_handler()
+    s = make_scheduler(guarded=guarded, async_scheduling=async_scheduling)
+    s.add_request(make_request("a", list(range(100, 100 + 5 * BLOCK)), max_tokens=4))
+    s.add_request(make_request("b", list(range(300, 300 + 2 * BLOCK)), max_tokens=4))
+    first = s.schedule()
+    s.update_from_output(first, model_output(s, first))
+    s.schedule()  # in flight at the fault, never reported back
+    if async_scheduling:
+        s.schedule()
+    sentinel, engine = _sentinel(s, deque() if async_scheduling else None)
+    sentinel.on_fault(RuntimeError("a worker died"))
+    if not guarded:
+        assert sorted(r.request_id for r in engine.aborted) == ["a", "b"]
+        assert not s.requests
+        return
+    assert engine.aborted == []
+    assert set(s.requests) == {"a", "b"}
+    assert s.kvguard_stats()["requests_recovered"] == 2
+    reasons: dict[str, str] = {}
+    pending: list[Any] = []
+    for _ in range(30):
+        if not s.requests and not pending:
+            break
+        if s.requests:
+            pending.append(s.schedule())
+        if async_scheduling and len(pending) < 2 and s.requests:
+            continue
+        done = pending.pop(0)
+        reasons.update(finish_reasons(s.update_from_output(done, model_output(s, done))))
+    assert reasons == {"a": "length", "b": "length"}
+    pool = s.kvguard_pool
+    pool.core.check_invariants()
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1

@@ -104,6 +104,7 @@ def activate(*, by_config: bool = False) -> None:
     _patch_zeroing()
     _patch_scheduler_cls()
     _patch_connector_cls()
+    _patch_fault_handler()
     worker_nans.install()
     worker_slots.install()
     _active = True
@@ -361,3 +362,29 @@ def _patch_connector_cls() -> None:
     setattr(get_connector_class, _MARK, True)
     get_connector_class.__wrapped__ = stock  # type: ignore[attr-defined]
     KVConnectorFactory.get_connector_class = classmethod(get_connector_class)
+
+
+def _patch_fault_handler() -> None:
+    """vLLM's engine fault tolerance (``EngineCoreSentinel.on_fault``) aborts every
+    request after a fault in the busy loop; on a guarded scheduler its abort becomes
+    :meth:`~kvguard.adapters.vllm.scheduler.GuardedScheduler.recover`: the requests
+    resume from their validated KV after vLLM's ``retry``, and only those that cannot
+    are ended (the sentinel sends their outputs as it sends the aborts)."""
+    from vllm.v1.fault_tolerance.engine_core_sentinel import EngineCoreSentinel
+
+    current = EngineCoreSentinel.on_fault
+    if getattr(current, _MARK, False):
+        return
+
+    def on_fault(self: Any, exc: Exception) -> None:
+        scheduler = self.engine.scheduler
+        if not hasattr(scheduler, "kvguard_fault"):  # vLLM's own scheduler
+            current(self, exc)
+            return
+        with scheduler.kvguard_fault():
+            current(self, exc)
+
+    setattr(on_fault, _MARK, True)
+    on_fault.__wrapped__ = current  # type: ignore[attr-defined]
+    on_fault.__doc__ = current.__doc__
+    EngineCoreSentinel.on_fault = on_fault

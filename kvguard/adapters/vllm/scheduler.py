@@ -34,8 +34,9 @@ is vLLM's own code, not a mode of the guarded classes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 
 from kvguard.adapters.vllm._compat import require_supported_vllm, series_of
@@ -190,6 +191,8 @@ class _GuardMixin:
         # Token slots recover() rolled back, for the workers to wipe before the next
         # step (SchedulerOutput.kvguard_slots_to_zero).
         self._kvguard_slots: list[SlotRange] = []
+        # vLLM's fault handler is running (kvguard_fault): its abort recovers instead.
+        self._kvguard_on_fault = False
         # Every publication held back, per step in flight (and what else waits).
         self._kvguard_ledger = StepLedger(settles=self._kvguard_fill_settled)
         managers = self.kv_cache_manager.coordinator.single_type_managers
@@ -410,6 +413,36 @@ class _GuardMixin:
 
     # ------------------------------------------------------------------ recovery
 
+    @contextlib.contextmanager
+    def kvguard_fault(self) -> Iterator[None]:
+        """While vLLM's fault handler runs (the plugin wraps ``on_fault``): its abort of
+        every request, ``finish_requests(None, FINISHED_ABORTED)``, recovers them
+        instead, and returns only those that cannot resume."""
+        self._kvguard_on_fault = True
+        try:
+            yield
+        finally:
+            self._kvguard_on_fault = False
+
+    def finish_requests(self, request_ids: Any, finished_status: Any) -> Any:
+        if (
+            self._kvguard_on_fault
+            and request_ids is None
+            and finished_status == RequestStatus.FINISHED_ABORTED
+        ):
+            self._kvguard_on_fault = False  # (recover() may finish requests itself)
+            report = self.recover()
+            if report.resumed:
+                logger.warning(
+                    "kvguard: engine fault: %d request(s) roll back to their validated "
+                    "KV and resume after recovery (%d token(s) to recompute) instead of "
+                    "being aborted",
+                    len(report.resumed),
+                    sum(r.rolled_back for r in report.resumed),
+                )
+            return [request for request, _ in report.ended]
+        return super().finish_requests(request_ids, finished_status)  # type: ignore[misc]
+
     def recover(self, request_ids: Iterable[str] | None = None) -> RecoveryReport:
         """Roll requests whose steps in flight are lost back to their validated KV, so
         that they resume instead of being aborted (see :mod:`.recovery`).
@@ -443,9 +476,7 @@ class _GuardMixin:
         if unresumable:
             self._kvguard_failing = dict.fromkeys(unresumable, 0)
             try:
-                finished = self.finish_requests(  # type: ignore[attr-defined]
-                    list(unresumable), RequestStatus.FINISHED_ERROR
-                )
+                finished = self.finish_requests(list(unresumable), RequestStatus.FINISHED_ERROR)
             finally:
                 self._kvguard_failing = {}
             for request in finished:
@@ -549,9 +580,7 @@ class _GuardMixin:
             # unvalidated blocks (the partial tail) are quarantined on release.
             self._kvguard_failing = failed
             try:
-                aborted = self.finish_requests(  # type: ignore[attr-defined]
-                    failed, RequestStatus.FINISHED_ERROR
-                )
+                aborted = self.finish_requests(failed, RequestStatus.FINISHED_ERROR)
             finally:
                 self._kvguard_failing = {}
             metrics.requests_aborted += len(aborted)
