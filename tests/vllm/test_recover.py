@@ -218,3 +218,34 @@ def test_stock_vllm_has_no_recovery() -> None:
 
     (aborted,) = s.finish_requests(None, RequestStatus.FINISHED_ABORTED)
     assert str(aborted.get_finished_reason()) == "abort"
+
+
+def test_a_request_whose_blocks_cannot_roll_back_ends_and_the_rest_resume(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Should kvguard's pool refuse a request's rollback (a block others can see: not
+    expected), that request ends with an error and the others still resume."""
+    from kvguard.errors import RollbackError
+
+    s = make_scheduler()
+    s.add_request(make_request("a", PROMPT[:40], max_tokens=4))
+    s.add_request(make_request("b", PROMPT[:40][::-1], max_tokens=4))
+    step(s)
+    s.schedule()
+    core = s.kvguard_pool.core
+    stock = core.roll_back_blocks
+    a_blocks = set(_blocks(s, "a"))
+
+    def refuse_a(tails: dict[int, int]) -> Any:
+        if a_blocks & set(tails):
+            raise RollbackError("block seen by others")
+        return stock(tails)
+
+    monkeypatch.setattr(core, "roll_back_blocks", refuse_a)
+    report = s.recover()
+    assert [r.request_id for r in report.resumed] == ["b"]
+    ((request, why),) = report.ended
+    assert request.request_id == "a" and why == (
+        "its KV cannot be rolled back (block seen by others)"
+    )
+    assert set(s.requests) == {"b"}

@@ -102,25 +102,28 @@ def why_not_resumable(scheduler: Any, request: Any, boundary: int) -> str | None
 def roll_back_request(scheduler: Any, request: Any, boundary: int) -> None:
     """Roll ``request`` back to ``boundary`` (checked resumable): its KV past it (the
     slots to wipe are queued in kvguard's pool), vLLM's per-step state, and the
-    ledger's steps in flight."""
+    ledger's steps in flight. Raises :class:`~kvguard.errors.RollbackError` having
+    changed nothing if kvguard's pool refuses a block (one others can see)."""
     req_id = request.request_id
     old = request.num_computed_tokens
-    scheduler._kvguard_ledger.roll_back(req_id)
+    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
     tails: dict[int, int] = {}
-    for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
+    for manager in managers:
         blocks = manager.req_to_blocks.get(req_id, ())
         size = manager.block_size
-        first = boundary // size
-        for i in range(first, min(-(-old // size), len(blocks))):
+        for i in range(boundary // size, min(-(-old // size), len(blocks))):
             block = blocks[i]
             if not block.is_null:
                 tails[block.block_id] = max(0, boundary - i * size)
+    scheduler.kvguard_pool.core.roll_back_blocks(tails)  # all or nothing
+    scheduler._kvguard_ledger.roll_back(req_id)
+    for manager in managers:
         # vLLM cached the full blocks past the boundary when it scheduled the lost
         # steps: it caches them again when the steps recomputing them are scheduled.
+        first = boundary // manager.block_size
         cached = manager.num_cached_block
         if cached.get(req_id, 0) > first:
             cached[req_id] = first
-    scheduler.kvguard_pool.core.roll_back_blocks(tails)
     request.num_computed_tokens = boundary
     request.num_output_placeholders = 0
     request.spec_token_ids = []

@@ -40,6 +40,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 
 from kvguard.adapters.vllm._compat import require_supported_vllm, series_of
+from kvguard.errors import RollbackError
 from kvguard.results import SlotRange
 from kvguard.zeroing import ZeroPolicy
 
@@ -467,10 +468,14 @@ class _GuardMixin:
                 continue
             boundary = request.num_computed_tokens - in_flight
             reason = why_not_resumable(self, request, boundary)
+            if reason is None:
+                try:
+                    roll_back_request(self, request, boundary)
+                except RollbackError as exc:
+                    reason = f"its KV cannot be rolled back ({exc})"
             if reason is not None:
                 unresumable[req_id] = reason
                 continue
-            roll_back_request(self, request, boundary)
             resumed.append(ResumedRequest(req_id, boundary, in_flight))
         ended = []
         if unresumable:
