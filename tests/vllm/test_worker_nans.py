@@ -301,3 +301,22 @@ def test_a_runner_module_imported_later_is_patched_on_import(
         assert importlib.import_module("colorsys").rgb_to_hls(0, 0, 0) == (0, 0, 0)
     finally:
         del sys.modules["kvguard_probe_runner"]
+
+
+def test_two_hooks_for_one_module_both_patch_it_once(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The NaN counting and the slot wipe hook the same runner modules: the import runs
+    both patches, once each, in hook order (a hook asking the other would recurse)."""
+    import importlib
+    import sys
+
+    (tmp_path / "kvguard_probe_runner2.py").write_text("steps = []\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    first = worker_nans._PatchOnImport({"kvguard_probe_runner2": lambda m: m.steps.append(1)})
+    second = worker_nans._PatchOnImport({"kvguard_probe_runner2": lambda m: m.steps.append(2)})
+    monkeypatch.setattr(sys, "meta_path", [first, second, *sys.meta_path])
+    try:
+        assert importlib.import_module("kvguard_probe_runner2").steps == [1, 2]
+    finally:
+        del sys.modules["kvguard_probe_runner2"]

@@ -193,7 +193,12 @@ _PATCHES: dict[str, Callable[[ModuleType], None]] = {V1_RUNNER: _patch_v1, V2_RU
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Patches a module right after it is first executed (a post-import hook)."""
+    """Patches a module right after it is first executed (a post-import hook).
+
+    Several hooks may patch one module (the NaN counting here, the slot wipe of
+    :mod:`kvguard.adapters.vllm.worker_slots`): the first hook on ``sys.meta_path`` that
+    knows the module applies every hook's patch for it, in ``sys.meta_path`` order, and
+    no hook asks another (which would recurse)."""
 
     def __init__(self, patches: Mapping[str, Callable[[ModuleType], None]]) -> None:
         self.patches = patches
@@ -201,11 +206,12 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        patch = self.patches.get(fullname)
-        if patch is None:
+        if fullname not in self.patches:
             return None
+        hooks = [f for f in sys.meta_path if isinstance(f, _PatchOnImport)]
+        patches = [f.patches[fullname] for f in hooks if fullname in f.patches]
         for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
+            if isinstance(finder, _PatchOnImport) or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None:
@@ -213,14 +219,14 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         else:
             return None
         if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _PatchingLoader(spec.loader, patch)
+            spec.loader = _PatchingLoader(spec.loader, patches)
         return spec
 
 
 class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, loader: Any, patch: Callable[[ModuleType], None]) -> None:
+    def __init__(self, loader: Any, patches: list[Callable[[ModuleType], None]]) -> None:
         self.loader = loader
-        self.patch = patch
+        self.patches = patches
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         module: ModuleType | None = self.loader.create_module(spec)
@@ -228,7 +234,8 @@ class _PatchingLoader(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         self.loader.exec_module(module)
-        self.patch(module)
+        for patch in self.patches:
+            patch(module)
 
     def __getattr__(self, name: str) -> Any:  # get_code, get_source, is_package, ...
         return getattr(self.loader, name)
