@@ -6,8 +6,6 @@ layouts they use; every kernel then reads the same description::
     FLASH_ATTN   [2, num_blocks, block_size, heads, head_dim]   K/V outermost (vLLM flash-attn)
     FLASHINFER   [num_blocks, 2, block_size, heads, head_dim]   K/V inside each block
     MLA          [num_blocks, block_size, dim]                  one latent vector per token
-    CPU_ATTN     [num_blocks, heads, block_size, 2 * head_dim]  K/V side by side per token
-                                                                (vLLM's CPU attention)
 
 Tensors may be strided views (a permuted HND cache, a slice of a bigger allocation) as
 long as the last dim is contiguous and no two elements alias. Kernels address memory
@@ -55,11 +53,10 @@ class LayoutKind(enum.Enum):
     FLASH_ATTN = "[2, num_blocks, block_size, heads, head_dim]"
     FLASHINFER = "[num_blocks, 2, block_size, heads, head_dim]"
     MLA = "[num_blocks, block_size, dim]"
-    CPU_ATTN = "[num_blocks, heads, block_size, 2 * head_dim]"
 
     @property
     def ndim(self) -> int:
-        return {LayoutKind.MLA: 3, LayoutKind.CPU_ATTN: 4}.get(self, 5)
+        return 3 if self is LayoutKind.MLA else 5
 
     @property
     def block_dim(self) -> int:

@@ -26,7 +26,7 @@ from kvguard.kernels.backend import (
     tl,
     triton,
 )
-from kvguard.kernels.layout import KVCacheLayout, LayoutError, Region, checked_ids
+from kvguard.kernels.layout import KVCacheLayout, LayoutError, LayoutKind, Region, checked_ids
 from kvguard.results import SlotRange
 
 __all__ = ["slot_ids", "zero_slots", "zero_slots_ref"]
@@ -103,15 +103,14 @@ def zero_slots_ref(layout: KVCacheLayout, slots: torch.Tensor) -> None:
     """
     blocks = slots // layout.block_size
     tokens = slots % layout.block_size
-    kind = layout.kind
-    # cache[..., block, ..., token, ...]: blocks and tokens indexed together (advanced
-    # indexing pairs them), every other dim whole.
-    index: list[slice | torch.Tensor] = [slice(None)] * kind.ndim
-    index[kind.block_dim] = blocks
-    index[kind.token_dim] = tokens
-    where = tuple(index)
     for cache in layout.caches:
-        int_view(cache)[where] = 0  # integer view: float8 index_put works on every build
+        view = int_view(cache)  # integer view: float8 index_put works on every build
+        if layout.kind is LayoutKind.FLASH_ATTN:
+            view[:, blocks, tokens] = 0
+        elif layout.kind is LayoutKind.FLASHINFER:
+            view[blocks, :, tokens] = 0
+        else:
+            view[blocks, tokens] = 0
 
 
 def _launch_zero_slots(

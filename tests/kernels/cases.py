@@ -50,8 +50,6 @@ def logical_shape(kind: LayoutKind, n: int, b: int, h: int, d: int) -> tuple[int
         return (2, n, b, h, d)
     if kind is LayoutKind.FLASHINFER:
         return (n, 2, b, h, d)
-    if kind is LayoutKind.CPU_ATTN:
-        return (n, h, b, 2 * d)
     return (n, b, h * d)
 
 
@@ -87,7 +85,7 @@ def build_cache(
             view = base
         elif striding == "padded":  # head_dim padded to d + 3 (last dim still stride 1)
             base = make(logical_shape(kind, n, b, h, d + 3), dtype, s)
-            view = base[..., : logical_shape(kind, n, b, h, d)[-1]]
+            view = base[..., :d] if kind is not LayoutKind.MLA else base[..., : h * d]
         elif striding == "every_other_block":  # blocks interleaved with foreign ones
             base = make(logical_shape(kind, 2 * n, b, h, d), dtype, s)
             view = base.narrow(kind.block_dim, 0, 2 * n)

@@ -60,7 +60,7 @@ def test_partial_block_keeps_its_valid_prefix(kind: LayoutKind) -> None:
                 idx: tuple[int | slice, ...]
                 if kind is LayoutKind.FLASH_ATTN:
                     idx = (slice(None), b, t)
-                elif kind is LayoutKind.FLASHINFER or kind is LayoutKind.CPU_ATTN:
+                elif kind is LayoutKind.FLASHINFER:
                     idx = (b, slice(None), t)
                 else:
                     idx = (b, t)
