@@ -88,9 +88,10 @@ def undo_plugin_patches_with(mp: pytest.MonkeyPatch) -> None:
     import vllm.v1.worker.gpu_model_runner as v1_runner
     from vllm.config.scheduler import SchedulerConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.v1.fault_tolerance.engine_core_sentinel import EngineCoreSentinel
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-    from kvguard.adapters.vllm import worker_nans
+    from kvguard.adapters.vllm import worker_nans, worker_slots
 
     mp.setattr(
         KVCacheConfig,
@@ -105,9 +106,12 @@ def undo_plugin_patches_with(mp: pytest.MonkeyPatch) -> None:
     )
     mp.setattr(KVConnectorFactory, "_registry", dict(KVConnectorFactory._registry))
     mp.setattr(worker_nans, "_installed", False)
+    mp.setattr(worker_slots, "_installed", False)
+    mp.setattr(EngineCoreSentinel, "on_fault", EngineCoreSentinel.on_fault)
     mp.setattr(sys, "meta_path", list(sys.meta_path))
     mp.setattr(v1_runner, "count_nans_per_row", v1_runner.count_nans_per_row)
     runner = v1_runner.GPUModelRunner
+    mp.setattr(runner, "_update_states", runner._update_states)
     mp.setattr(runner, "_bookkeeping_sync", runner._bookkeeping_sync)
     mp.setattr(runner, "_get_nans_in_logits", runner._get_nans_in_logits)
 

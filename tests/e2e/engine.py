@@ -13,6 +13,7 @@ the scheduler's pool (in-process engines) and the worker's real KV cache tensors
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -175,6 +176,25 @@ def set_faults(llm: Any, enabled: bool) -> None:
     llm.apply_model(_faults_on if enabled else _faults_off)
 
 
+def _arm_crash(model: Any, positions: tuple[int, ...]) -> None:
+    model.crash_at.update(positions)
+
+
+def _crashed(model: Any) -> list[int]:
+    return list(model.crashed)
+
+
+def arm_crash(llm: Any, positions: Sequence[int]) -> None:
+    """The step computing any of ``positions`` writes garbage KV for it and raises
+    ``InjectedFault`` (once per position; see the test model)."""
+    llm.apply_model(functools.partial(_arm_crash, positions=tuple(positions)))
+
+
+def crashes_fired(llm: Any) -> list[int]:
+    """The positions armed crashes fired at so far (first worker)."""
+    return list(llm.apply_model(_crashed)[0])
+
+
 def faults_fired(llm: Any) -> list[tuple[int, int]]:
     """(position, trigger) of every fault the model injected so far (first worker)."""
     return list(llm.apply_model(_fired)[0])
@@ -236,7 +256,7 @@ def read_blocks(llm: Any, block_ids: Iterable[int] | None = None) -> dict[int, B
     """The worker's real KV cache tensors, per block (every block when None).
 
     vLLM's CPU runner keeps one tensor per layer, block dimension first
-    (``[num_blocks, heads, block_size, 2 * head_dim]``, K and V side by side)."""
+    (``[num_blocks, heads, block_size, 2 * head_dim]``: per head, K rows then V rows)."""
     wanted = None if block_ids is None else sorted(set(block_ids))
     (per_block,) = llm.collective_rpc(scan_kv_cache, args=(wanted,))
     return {b: BlockKV(*v) for b, v in per_block.items()}

@@ -24,11 +24,12 @@ from .conftest import undo_runner_patches_after  # noqa: E402
 BLOCKS, HEADS, SIZE, DIM = 6, 2, 4, 3
 
 
-def _runner(backend: str = "CPU_ATTN", layers: int = 2) -> Any:
+def _runner(backend: str = "FLASH_ATTN", layers: int = 2) -> Any:
     """What wipe_slots reads of a model runner: its attention groups, the layers'
-    caches (vLLM's CPU layout, sentinel-filled) and the scheduler's block size."""
+    caches (vLLM's FlashAttention layout, [2, blocks, block_size, heads, head_dim],
+    sentinel-filled) and the scheduler's block size."""
     context = {
-        f"layer{i}": SimpleNamespace(kv_cache=torch.full((BLOCKS, HEADS, SIZE, 2 * DIM), 7.0 + i))
+        f"layer{i}": SimpleNamespace(kv_cache=torch.full((2, BLOCKS, SIZE, HEADS, DIM), 7.0 + i))
         for i in range(layers)
     }
     group = SimpleNamespace(
@@ -52,9 +53,18 @@ def test_exactly_the_slots_are_wiped_in_every_layer() -> None:
     assert worker_slots.wipe_slots(runner, slots) == 3 + 4
     for old, new in zip(before, _caches(runner), strict=True):
         want = old.clone()
-        want[2, :, 1:] = 0  # block 2 keeps its first token (its validated prefix)
-        want[4] = 0
+        want[:, 2, 1:] = 0  # block 2 keeps its first token (its validated prefix)
+        want[:, 4] = 0
         assert torch.equal(new, want)
+
+
+def test_cpu_attention_caches_are_rewritten_not_wiped() -> None:
+    """vLLM's CPU attention packs K and V per ISA: its caches are left as they are (the
+    resumed step rewrites the rolled-back slots before any query reads them)."""
+    runner = _runner(backend="CPU_ATTN")
+    before = [c.clone() for c in _caches(runner)]
+    assert worker_slots.wipe_slots(runner, [SlotRange(2, 1, SIZE)]) == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, _caches(runner), strict=True))
 
 
 def test_an_unknown_backend_is_refused_not_skipped() -> None:
@@ -100,7 +110,8 @@ def test_the_runner_wipes_before_its_step_runs(which: str, monkeypatch: pytest.M
     runner = _runner()
     out = SimpleNamespace(kvguard_slots_to_zero=[SlotRange(3, 2, SIZE)])
     assert patched(runner, out) == "stepped"
-    assert not seen[0][0][3, :, 2:].any() and seen[0][0][3, :, :2].eq(7.0).all()
+    block = seen[0][0][:, 3]
+    assert not block[:, 2:].any() and block[:, :2].eq(7.0).all()
     plain = _runner()
     assert patched(plain, SimpleNamespace()) == "stepped"  # no slots: vLLM's step only
     assert seen[1][0].eq(7.0).all()

@@ -10,7 +10,8 @@ wiped in one launch of kvguard's ``zero_slots`` (its torch reference on CPU); th
 tokens of a block -- a partial block's validated prefix -- keep every byte.
 
 Which layout a layer's cache has comes from its attention backend
-(:data:`LAYOUT_OF_BACKEND`). A step carrying slots for a layer whose backend kvguard
+(:data:`LAYOUT_OF_BACKEND`); vLLM's CPU attention caches are rewritten, not wiped
+(:data:`REWRITTEN_NOT_WIPED`). A step carrying slots for a layer whose backend kvguard
 does not know raises :class:`~kvguard.adapters.vllm.block_pool.GuardModeUnsupported`
 rather than leaving the slots as they are.
 """
@@ -30,7 +31,6 @@ SLOTS_FIELD = "kvguard_slots_to_zero"
 """The ``SchedulerOutput`` attribute the guarded scheduler puts the slots in."""
 
 LAYOUT_OF_BACKEND = {
-    "CPU_ATTN": "CPU_ATTN",
     "FLASH_ATTN": "FLASH_ATTN",
     "FLASHINFER": "FLASHINFER",
     "FLASHMLA": "MLA",
@@ -39,6 +39,14 @@ LAYOUT_OF_BACKEND = {
     "FLASH_ATTN_MLA": "MLA",
 }
 """vLLM attention backend name -> kvguard ``LayoutKind`` name of its KV cache."""
+
+REWRITTEN_NOT_WIPED = frozenset({"CPU_ATTN"})
+"""Backends whose caches are left as they are: vLLM's CPU attention writes K and V
+through ISA-specific ops (amx, vec, neon, ...) whose order of a block's bytes per token
+kvguard cannot address, so a token-granular wipe could hit a validated token. The
+rolled-back slots are rewritten by the request's resumed step before any query reads
+them (a step writes its tokens' KV before its attention reads it, and no query reads
+past its own position)."""
 
 _MARK = "_kvguard_wipes_slots"
 _installed = False
@@ -64,6 +72,8 @@ def cache_layouts(runner: Any) -> list[Any]:
     for groups in runner.attn_groups:
         for group in groups:
             backend = group.backend.get_name()
+            if backend in REWRITTEN_NOT_WIPED:
+                continue
             for layer in group.layer_names:
                 cache = getattr(forward_context.get(layer), "kv_cache", None)
                 if not isinstance(cache, torch.Tensor):

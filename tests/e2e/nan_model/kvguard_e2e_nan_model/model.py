@@ -17,6 +17,12 @@ For ``d > 0`` the model does not know which request a later row belongs to: the 
 fires on the first row at position ``p + d`` after the trigger, in whatever request.
 The tests keep other running requests away from armed positions.
 
+A second kind of fault, armed by the test through the worker (``arm_crash``): the step
+computing an armed position writes finite garbage into that row's KV (huge embeddings:
+its K and V in every layer are wrong but finite) and then raises
+:class:`InjectedFault` -- a worker failing mid-step after writing corrupt KV, the fault
+engine fault tolerance recovers from. Each armed crash fires once.
+
 State lives on the model instance: every engine (stock or guarded, in one process or
 several) starts fault-free. ``fired`` records ``(position, trigger)`` of every fault
 that fired, for tests that ask the worker (``collective_rpc``/``apply_model``).
@@ -33,6 +39,10 @@ TRIGGER = 900
 """The first trigger token id (the model's vocabulary must reach TRIGGER + SPAN)."""
 SPAN = 100
 """Trigger ids: TRIGGER .. TRIGGER + SPAN - 1; trigger TRIGGER + d fires d tokens on."""
+
+
+class InjectedFault(RuntimeError):
+    """The crash a test armed (``crash_at``): the step wrote garbage KV, then failed."""
 
 
 class NanLlamaForCausalLM(LlamaForCausalLM):
@@ -54,6 +64,10 @@ class NanLlamaForCausalLM(LlamaForCausalLM):
         self.faults_enabled = True
         """False: trigger tokens are plain tokens (an engine giving fault-free
         reference outputs; set with ``LLM.apply_model``)."""
+        self.crash_at: set[int] = set()
+        """Positions whose step writes garbage KV for them and then raises (once)."""
+        self.crashed: list[int] = []
+        """The positions crashes fired at, in order."""
 
     def forward(
         self,
@@ -63,13 +77,23 @@ class NanLlamaForCausalLM(LlamaForCausalLM):
         inputs_embeds: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> Any:
+        crash: list[int] = []
         if self.faults_enabled and input_ids is not None and inputs_embeds is None:
             poison = self._rows_to_poison(input_ids, positions)
-            if poison:
+            if self.crash_at:
+                crash = [i for i, p in enumerate(positions.tolist()) if p in self.crash_at]
+            if poison or crash:
                 inputs_embeds = self.embed_input_ids(input_ids)
                 inputs_embeds[poison] = float("nan")
+                inputs_embeds[crash] = 1e4  # finite garbage: wrong K and V, no NaN
                 input_ids = None
-        return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
+        out = super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
+        if crash:
+            fired = [int(positions[i]) for i in crash]
+            self.crash_at.difference_update(fired)
+            self.crashed += fired
+            raise InjectedFault(f"injected fault: the step computing position(s) {fired} failed")
+        return out
 
     def compute_logits(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         # Trigger tokens are never sampled: a generated trigger would arm a fault no

@@ -1,0 +1,138 @@
+"""A worker fails mid-step after writing corrupt KV: vLLM's engine fault tolerance
+aborts every request on stock vLLM; on the guarded engine the requests roll back to
+their validated KV and finish with exactly their fault-free output.
+
+In-process engines (the engine core in this process), stepped by the test. The fault is
+the test model's ``arm_crash``: the step computing an armed position writes finite
+garbage into that row's KV and raises. vLLM's fault tolerance cannot be started here
+(``--enable-fault-tolerance`` needs the multiprocess engine's sentinel process and its
+client), so the test drives vLLM's own ``EngineCoreSentinel.on_fault`` on the engine
+core, as vLLM's fault-tolerance tests do, and then steps on (what ``retry`` resumes).
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from .conftest import HAVE_ENGINE, SKIP_REASON
+
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not HAVE_ENGINE, reason=SKIP_REASON)]
+
+if HAVE_ENGINE:
+    from kvguard_e2e_nan_model.model import InjectedFault
+
+    from .conftest import guard_in_this_process, in_process, shutdown
+    from .engine import (
+        BLOCK,
+        ENGINE_KWARGS,
+        arm_crash,
+        crashes_fired,
+        generate,
+        non_finite_blocks,
+        result,
+        tokens,
+    )
+
+
+@pytest.fixture(scope="module")
+def engines(model_dir: str, reference: Any) -> Iterator[dict[str, Any]]:
+    from vllm import LLM
+
+    built: dict[str, Any] = {}
+    with in_process():
+        built["stock"] = LLM(model=model_dir, **ENGINE_KWARGS)
+    with guard_in_this_process():
+        with in_process():
+            built["guarded"] = LLM(model=model_dir, **ENGINE_KWARGS)
+        yield built
+        for llm in built.values():
+            shutdown(llm)
+
+
+def _sentinel(llm: Any) -> tuple[Any, list[Any]]:
+    """vLLM's fault sentinel over the in-process engine core: what ``on_fault`` reads
+    of an ``EngineCoreProc`` (its scheduler, the batch queue, the abort and status
+    sinks) -- the engine core's own scheduler, the aborts collected."""
+    from vllm.v1.fault_tolerance.engine_core_sentinel import EngineCoreSentinel
+
+    core = llm.llm_engine.engine_core.engine_core
+    aborted: list[Any] = []
+    engine = SimpleNamespace(
+        engine_index=0,
+        scheduler=core.scheduler,
+        model_executor=SimpleNamespace(),  # not failed: the engine becomes UNHEALTHY
+        batch_queue=getattr(core, "batch_queue", None),
+        output_queue=queue.Queue(),
+        _send_abort_outputs=aborted.extend,
+    )
+    config = SimpleNamespace(
+        fault_tolerance_config=SimpleNamespace(engine_recovery_timeout_sec=1),
+        data_parallel_size=1,
+    )
+    return EngineCoreSentinel(engine, config), aborted
+
+
+def _run(llm: Any, prompts: dict[str, list[int]], max_tokens: int) -> tuple[dict[str, Any], Any]:
+    """Submit ``prompts`` and step the engine until they finish or a step fails; on
+    the failure, vLLM's ``on_fault``, then step on. Returns each request's final output
+    and what the fault handler aborted (None: no fault)."""
+    from vllm import SamplingParams, TokensPrompt
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for req_id, prompt in prompts.items():
+        engine.add_request(req_id, TokensPrompt(prompt_token_ids=prompt), params)
+    final: dict[str, Any] = {}
+    aborted = None
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        try:
+            outs = engine.step()
+        except InjectedFault as exc:
+            assert aborted is None, "one fault per run"
+            sentinel, aborted = _sentinel(llm)
+            sentinel.on_fault(exc)
+            if aborted:  # the clients are told (what _send_abort_outputs does)
+                engine.abort_request([r.request_id for r in aborted], internal=True)
+            continue
+        for out in outs:
+            if out.finished:
+                final[out.request_id] = result(out)
+    return final, aborted
+
+
+def test_a_crashed_step_resumes_from_validated_kv(reference: Any, engines: dict[str, Any]) -> None:
+    """b (40-token prompt) decodes while a (150 tokens) prefills; the step computing
+    a's tokens 24..86 and b's token 40 writes garbage KV at a's position 80 and fails.
+    Stock: both requests aborted. Guarded: a resumes from token 24, b from token 40
+    (its partial block keeps its validated 8 tokens), and both finish with exactly the
+    fault-free output; no KV of theirs is non-finite, and a's full prompt serves a
+    prefix hit to a later request."""
+    a, b = tokens(401, 150), tokens(402, 40)
+    ref_b, ref_a = generate(reference, [b, a], max_tokens=6)
+    for name, llm in engines.items():
+        arm_crash(llm, [80])
+        final, aborted = _run(llm, {"b": b, "a": a}, max_tokens=6)
+        assert crashes_fired(llm)[-1] == 80, name
+        if name == "stock":
+            # (vLLM's engine ids: the client's id and a suffix of its own)
+            assert sorted(r.request_id.rsplit("-", 1)[0] for r in aborted) == ["a", "b"]
+            assert not final
+            continue
+        assert aborted == []
+        assert final["a"].token_ids == ref_a.token_ids
+        assert final["b"].token_ids == ref_b.token_ids
+        assert final["a"].finish_reason == final["b"].finish_reason == "length"
+        sched = llm.llm_engine.engine_core.engine_core.scheduler
+        stats = sched.kvguard_stats()
+        assert stats["requests_recovered"] == 2
+        assert stats["tokens_rolled_back"] == 63 + 1
+        assert not non_finite_blocks(llm)
+        (again,) = generate(llm, [a[:140] + tokens(403, 10)], max_tokens=2)
+        assert again.num_cached_tokens == 4 * BLOCK  # a's validated full blocks
