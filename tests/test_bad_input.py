@@ -253,6 +253,9 @@ KINDS: dict[str, Callable[[object], bool]] = {
     "hit": lambda v: v is None,  # only lookup() makes hits
     "ticket": lambda v: False,  # only begin_store() makes tickets
     "publish": lambda v: v is None or v == {},
+    "tails": lambda v: (
+        isinstance(v, dict) and all(type(k) is int and type(x) is int for k, x in v.items())
+    ),
 }
 
 
@@ -296,6 +299,7 @@ def entry_points(w: World) -> dict[str, dict[str, tuple[str, object]]]:
             "request_id": ("request_id", "pending"),
             "num_tokens": ("optional_count", None),
         },
+        "roll_back_blocks": {"tails": ("tails", {ext[0]: 0})},
         "storable_blocks": {"request_id": ("request_id", "published"), "tier": ("tier", "cpu")},
         "allocate_blocks": {"num_blocks": ("count", 1), "write": ("flag", False)},
         "acquire_blocks": {"block_ids": ("ids", [pub[0]])},

@@ -112,9 +112,9 @@ def roll_back_request(scheduler: Any, request: Any, boundary: int) -> None:
         blocks = manager.req_to_blocks.get(req_id, ())
         size = manager.block_size
         for i in range(boundary // size, min(-(-old // size), len(blocks))):
-            block = blocks[i]
-            if not block.is_null:
-                tails[block.block_id] = max(0, boundary - i * size)
+            if not blocks[i].is_null:
+                block_id = blocks[i].block_id
+                tails[block_id] = max(0, boundary - i * size)
     scheduler.kvguard_pool.core.roll_back_blocks(tails)  # all or nothing
     scheduler._kvguard_ledger.roll_back(req_id)
     for manager in managers:
