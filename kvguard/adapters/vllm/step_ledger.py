@@ -299,21 +299,18 @@ class StepLedger:
                 record.fills.pop(request_id, None)
                 record.dropped.add(request_id)
 
-    def roll_back(self, request_id: str) -> list[int]:
+    def roll_back(self, request_id: str) -> None:
         """The request's steps in flight will never report back for it, but it stays
-        (``recover``): each forgets it as for a freed request, and the blocks they
-        filled are returned -- their publications and held events are dropped (what
-        they held is rolled back; the request's next steps fill and note them again).
-        What it carried stays its own to vouch for."""
-        filled: list[int] = []
+        (``recover``): each forgets it as for a freed request, and drops the
+        publications and held events of the blocks it filled (they are rolled back;
+        the request's next steps fill and note them again). What it carried stays its
+        own to vouch for."""
         for record in self._steps:
             if request_id in record.scheduled or request_id in record.fills:
                 for block_id in record.fills.pop(request_id, ()):
                     record.publications.pop(block_id, None)
                     self.events.pop(block_id, None)
-                    filled.append(block_id)
                 record.dropped.add(request_id)
-        return filled
 
     # ------------------------------------------------------------------ checks
 
