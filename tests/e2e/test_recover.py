@@ -77,10 +77,36 @@ def _sentinel(llm: Any) -> tuple[Any, list[Any]]:
     return EngineCoreSentinel(engine, config), aborted
 
 
-def _run(llm: Any, prompts: dict[str, list[int]], max_tokens: int) -> tuple[dict[str, Any], Any]:
+def _recompute_elsewhere(llm: Any) -> dict[str, int]:
+    """At the fault, before recovery: the tokens the other approaches recompute. PR
+    #50265 (vLLM) drops the blocks the lost step touched and preempts, and abort and
+    resubmit starts the request over: either way a request keeps only its published
+    full blocks below the lost step's first block (its prefix hits), and recomputes every
+    other token it had computed. (kvguard keeps everything below the boundary.)"""
+    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    core = sched.kvguard_pool.core
+    ledger = sched._kvguard_ledger
+    out = {}
+    for req_id, request in sched.requests.items():
+        computed = request.num_computed_tokens
+        boundary = computed - ledger.tokens_in_flight(req_id)
+        (blocks,) = sched.kv_cache_manager.get_block_ids(req_id)
+        kept = 0
+        for block_id in blocks[: boundary // BLOCK]:
+            if core.block_state(block_id).name not in ("PUBLISHED", "OFFLOADED"):
+                break
+            kept += BLOCK
+        out[req_id.rsplit("-", 1)[0]] = computed - kept
+    return out
+
+
+def _run(
+    llm: Any, prompts: dict[str, list[int]], max_tokens: int, at_fault: list[Any] | None = None
+) -> tuple[dict[str, Any], Any]:
     """Submit ``prompts`` and step the engine until they finish or a step fails; on
     the failure, vLLM's ``on_fault``, then step on. Returns each request's final output
-    and what the fault handler aborted (None: no fault)."""
+    and what the fault handler aborted (None: no fault); ``at_fault`` gets what the
+    other approaches would recompute (guarded engines only)."""
     from vllm import SamplingParams, TokensPrompt
 
     engine = llm.llm_engine
@@ -96,6 +122,8 @@ def _run(llm: Any, prompts: dict[str, list[int]], max_tokens: int) -> tuple[dict
             outs = engine.step()
         except InjectedFault as exc:
             assert aborted is None, "one fault per run"
+            if at_fault is not None:
+                at_fault.append(_recompute_elsewhere(llm))
             sentinel, aborted = _sentinel(llm)
             sentinel.on_fault(exc)
             if aborted:  # the clients are told (what _send_abort_outputs does)
@@ -113,12 +141,15 @@ def test_a_crashed_step_resumes_from_validated_kv(reference: Any, engines: dict[
     Stock: both requests aborted. Guarded: a resumes from token 24, b from token 40
     (its partial block keeps its validated 8 tokens), and both finish with exactly the
     fault-free output; no KV of theirs is non-finite, and a's full prompt serves a
-    prefix hit to a later request."""
+    prefix hit to a later request. It recomputes 64 tokens where dropping the touched
+    blocks and preempting, or aborting and resubmitting, recomputes 96."""
     a, b = tokens(401, 150), tokens(402, 40)
     ref_b, ref_a = generate(reference, [b, a], max_tokens=6)
+    elsewhere: list[dict[str, int]] = []
     for name, llm in engines.items():
         arm_crash(llm, [80])
-        final, aborted = _run(llm, {"b": b, "a": a}, max_tokens=6)
+        at_fault = elsewhere if name == "guarded" else None
+        final, aborted = _run(llm, {"b": b, "a": a}, max_tokens=6, at_fault=at_fault)
         assert crashes_fired(llm)[-1] == 80, name
         if name == "stock":
             # (vLLM's engine ids: the client's id and a suffix of its own)
@@ -133,6 +164,10 @@ def test_a_crashed_step_resumes_from_validated_kv(reference: Any, engines: dict[
         stats = sched.kvguard_stats()
         assert stats["requests_recovered"] == 2
         assert stats["tokens_rolled_back"] == 63 + 1
+        # Recomputed tokens on this trace: kvguard 64 (a from 24, b from 40 inside its
+        # partial block); dropping the touched blocks and preempting (vLLM PR #50265),
+        # or aborting and resubmitting, keeps only b's published first block: 87 + 9.
+        assert elsewhere == [{"a": 87, "b": 9}]
         assert not non_finite_blocks(llm)
         (again,) = generate(llm, [a[:140] + tokens(403, 10)], max_tokens=2)
         assert again.num_cached_tokens == 4 * BLOCK  # a's validated full blocks
