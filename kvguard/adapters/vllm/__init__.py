@@ -1,5 +1,6 @@
 """kvguard inside vLLM (0.32.x, 0.33.x, 0.34.x: ``SUPPORTED``): the pool under
-``KVCacheManager``, guarded schedulers, the guarded offloading connector.
+``KVCacheManager``, guarded schedulers (and their fault recovery, ``recover()``), the
+guarded offloading connector.
 
 Importing this package checks the installed vLLM version and imports vLLM; ``import
 kvguard`` alone never does. Turn the guard on with no code change (the
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from kvguard.adapters.vllm.block_pool import GuardedBlockPool, GuardModeUnsupported
     from kvguard.adapters.vllm.manager import build_kv_cache_manager, install_guarded_pool
     from kvguard.adapters.vllm.offloading import GuardedOffloadingConnector
+    from kvguard.adapters.vllm.recovery import RecoveryReport, ResumedRequest
     from kvguard.adapters.vllm.scheduler import GuardedAsyncScheduler, GuardedScheduler
 
 __all__ = [
@@ -32,6 +34,8 @@ __all__ = [
     "GuardedBlockPool",
     "GuardedOffloadingConnector",
     "GuardedScheduler",
+    "RecoveryReport",
+    "ResumedRequest",
     "UnsupportedVllmError",
     "build_kv_cache_manager",
     "check_vllm_version",
@@ -46,6 +50,8 @@ _LAZY = {
     "GuardedScheduler": "scheduler",
     "GuardedAsyncScheduler": "scheduler",
     "GuardedOffloadingConnector": "offloading",
+    "RecoveryReport": "recovery",
+    "ResumedRequest": "recovery",
 }
 
 
