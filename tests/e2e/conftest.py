@@ -19,7 +19,6 @@ import gc
 import importlib.util
 import logging
 import os
-import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -84,36 +83,10 @@ def in_process() -> Iterator[None]:
 
 def undo_plugin_patches_with(mp: pytest.MonkeyPatch) -> None:
     """Make ``mp.undo()`` put back everything kvguard's plugin patches in this process
-    (vLLM classes, the NaN counting hook, kvguard's own import hook and state)."""
-    import vllm.v1.worker.gpu_model_runner as v1_runner
-    from vllm.config.scheduler import SchedulerConfig
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-    from vllm.v1.fault_tolerance.engine_core_sentinel import EngineCoreSentinel
-    from vllm.v1.kv_cache_interface import KVCacheConfig
+    (vLLM classes, the model runners, kvguard's own import hooks and state)."""
+    from tests.vllm.plugin_patches import undo_plugin_patches_after
 
-    from kvguard.adapters.vllm import worker_nans, worker_slots
-
-    mp.setattr(
-        KVCacheConfig,
-        "needs_kv_cache_zeroing",
-        KVCacheConfig.__dict__["needs_kv_cache_zeroing"],
-    )
-    mp.setattr(SchedulerConfig, "get_scheduler_cls", SchedulerConfig.get_scheduler_cls)
-    mp.setattr(
-        KVConnectorFactory,
-        "get_connector_class",
-        KVConnectorFactory.__dict__["get_connector_class"],
-    )
-    mp.setattr(KVConnectorFactory, "_registry", dict(KVConnectorFactory._registry))
-    mp.setattr(worker_nans, "_installed", False)
-    mp.setattr(worker_slots, "_installed", False)
-    mp.setattr(EngineCoreSentinel, "on_fault", EngineCoreSentinel.on_fault)
-    mp.setattr(sys, "meta_path", list(sys.meta_path))
-    mp.setattr(v1_runner, "count_nans_per_row", v1_runner.count_nans_per_row)
-    runner = v1_runner.GPUModelRunner
-    mp.setattr(runner, "_update_states", runner._update_states)
-    mp.setattr(runner, "_bookkeeping_sync", runner._bookkeeping_sync)
-    mp.setattr(runner, "_get_nans_in_logits", runner._get_nans_in_logits)
+    undo_plugin_patches_after(mp)
 
 
 @contextlib.contextmanager

@@ -6,6 +6,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from .plugin_patches import undo_plugin_patches_after, undo_runner_patches_after
+
+__all__ = ["undo_plugin_patches_after", "undo_runner_patches_after"]
+
 if importlib.util.find_spec("vllm") is not None:
     # vLLM and torch emit deprecation warnings of their own at import time; the
     # project's "warnings are errors" rule is for kvguard's code, not theirs.
@@ -32,63 +36,3 @@ def per_request_nans(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     undo_runner_patches_after(monkeypatch)
     worker_nans.install()
     yield
-
-
-def undo_plugin_patches_after(monkeypatch: pytest.MonkeyPatch) -> None:
-    """What kvguard's plugin patches in vLLM (zeroing, the scheduler class, the
-    connector factory, the model runners' NaN counting) is put back when
-    ``monkeypatch`` undoes its changes."""
-
-    from vllm.config.scheduler import SchedulerConfig
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-    from vllm.v1.kv_cache_interface import KVCacheConfig
-
-    from kvguard.adapters.vllm._compat import zeroing_is_a_field
-
-    if zeroing_is_a_field():
-        monkeypatch.setattr(KVCacheConfig, "__post_init__", KVCacheConfig.__post_init__)
-    else:
-        monkeypatch.setattr(
-            KVCacheConfig,
-            "needs_kv_cache_zeroing",
-            KVCacheConfig.__dict__["needs_kv_cache_zeroing"],
-        )
-    monkeypatch.setattr(SchedulerConfig, "get_scheduler_cls", SchedulerConfig.get_scheduler_cls)
-    monkeypatch.setattr(
-        KVConnectorFactory,
-        "get_connector_class",
-        KVConnectorFactory.__dict__["get_connector_class"],
-    )
-    monkeypatch.setattr(KVConnectorFactory, "_registry", dict(KVConnectorFactory._registry))
-    undo_runner_patches_after(monkeypatch)
-
-
-def undo_runner_patches_after(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The model runners' patches -- per-request NaN counting (``worker_nans``) and
-    the slot wipe (``worker_slots``) -- are put back when ``monkeypatch`` undoes its
-    changes: V2's runner, and V1's where the series has one."""
-    import sys
-
-    import vllm.v1.worker.gpu.model_runner as v2_runner
-
-    from kvguard.adapters.vllm import worker_nans, worker_slots
-    from kvguard.adapters.vllm._compat import has_v1_model_runner
-
-    monkeypatch.setattr(worker_nans, "_installed", False)
-    monkeypatch.setattr(worker_slots, "_installed", False)
-    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
-    v2 = v2_runner.GPUModelRunner
-    monkeypatch.setattr(v2, "sample", v2.sample)
-    monkeypatch.setattr(v2, "update_requests", v2.update_requests)
-    cpu = sys.modules.get(worker_slots.CPU_RUNNER)  # (0.34's x86 CPU runner)
-    if cpu is not None:
-        cpu_runner = cpu.StandaloneCPUModelRunner
-        monkeypatch.setattr(cpu_runner, "update_requests", cpu_runner.update_requests)
-    if has_v1_model_runner():
-        import vllm.v1.worker.gpu_model_runner as v1_runner
-
-        monkeypatch.setattr(v1_runner, "count_nans_per_row", v1_runner.count_nans_per_row)
-        runner = v1_runner.GPUModelRunner
-        monkeypatch.setattr(runner, "_update_states", runner._update_states)
-        monkeypatch.setattr(runner, "_bookkeeping_sync", runner._bookkeeping_sync)
-        monkeypatch.setattr(runner, "_get_nans_in_logits", runner._get_nans_in_logits)

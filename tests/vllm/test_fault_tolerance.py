@@ -15,10 +15,8 @@ for the abort outputs and status pushes.
 
 from __future__ import annotations
 
-import queue
 from collections import deque
 from concurrent.futures import Future
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -32,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (  # 
 from vllm.v1.fault_tolerance.engine_core_sentinel import EngineCoreSentinel  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 
+from .fault_sentinel import sentinel_over  # noqa: E402
 from .harness import (  # noqa: E402
     BLOCK,
     connector_output,
@@ -41,24 +40,6 @@ from .harness import (  # noqa: E402
     model_output,
     transfer_config,
 )
-
-
-def _sentinel(scheduler: Any, batch_queue: deque[Any] | None) -> tuple[EngineCoreSentinel, Any]:
-    engine = SimpleNamespace(
-        engine_index=0,
-        scheduler=scheduler,
-        aborted=[],
-        model_executor=SimpleNamespace(),  # not failed: the engine becomes UNHEALTHY
-        batch_queue=batch_queue,
-        output_queue=queue.Queue(),
-    )
-    engine._send_abort_outputs = engine.aborted.extend
-    # The engine's parallel config (0.34 also reads data_parallel_size).
-    config = SimpleNamespace(
-        fault_tolerance_config=SimpleNamespace(engine_recovery_timeout_sec=1),
-        data_parallel_size=1,
-    )
-    return EngineCoreSentinel(engine, config), engine
 
 
 def _done(value: Any) -> Future[Any]:
@@ -103,7 +84,7 @@ def test_the_guard_stays_on_after_a_fault_tolerance_drain(async_scheduling: bool
                 completed_jobs={}
             )
             batch_queue.appendleft((_done(out), so, _done(None)))
-    sentinel, engine = _sentinel(s, batch_queue)
+    sentinel, engine = sentinel_over(s, batch_queue)
     sentinel.on_fault(RuntimeError("a worker died"))
     assert sorted(r.request_id for r in engine.aborted) == ["a", "b"]
     _drain(sentinel)
@@ -172,7 +153,6 @@ def test_with_the_plugin_a_fault_resumes_requests_instead_of_aborting_them(
     from .conftest import undo_plugin_patches_after
 
     undo_plugin_patches_after(monkeypatch)
-    monkeypatch.setattr(EngineCoreSentinel, "on_fault", EngineCoreSentinel.on_fault)
     plugin._patch_fault_handler()
     s = make_scheduler(guarded=guarded, async_scheduling=async_scheduling)
     s.add_request(make_request("a", list(range(100, 100 + 5 * BLOCK)), max_tokens=4))
@@ -182,7 +162,7 @@ def test_with_the_plugin_a_fault_resumes_requests_instead_of_aborting_them(
     s.schedule()  # in flight at the fault, never reported back
     if async_scheduling:
         s.schedule()
-    sentinel, engine = _sentinel(s, deque() if async_scheduling else None)
+    sentinel, engine = sentinel_over(s, deque() if async_scheduling else None)
     sentinel.on_fault(RuntimeError("a worker died"))
     if not guarded:
         assert sorted(r.request_id for r in engine.aborted) == ["a", "b"]
