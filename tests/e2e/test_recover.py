@@ -12,9 +12,7 @@ core, as vLLM's fault-tolerance tests do, and then steps on (what ``retry`` resu
 
 from __future__ import annotations
 
-import queue
 from collections.abc import Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -55,26 +53,13 @@ def engines(model_dir: str, reference: Any) -> Iterator[dict[str, Any]]:
 
 
 def _sentinel(llm: Any) -> tuple[Any, list[Any]]:
-    """vLLM's fault sentinel over the in-process engine core: what ``on_fault`` reads
-    of an ``EngineCoreProc`` (its scheduler, the batch queue, the abort and status
-    sinks) -- the engine core's own scheduler, the aborts collected."""
-    from vllm.v1.fault_tolerance.engine_core_sentinel import EngineCoreSentinel
+    """vLLM's fault sentinel over the in-process engine core (its scheduler and batch
+    queue), and the list its aborts go to."""
+    from tests.vllm.fault_sentinel import sentinel_over
 
     core = llm.llm_engine.engine_core.engine_core
-    aborted: list[Any] = []
-    engine = SimpleNamespace(
-        engine_index=0,
-        scheduler=core.scheduler,
-        model_executor=SimpleNamespace(),  # not failed: the engine becomes UNHEALTHY
-        batch_queue=getattr(core, "batch_queue", None),
-        output_queue=queue.Queue(),
-        _send_abort_outputs=aborted.extend,
-    )
-    config = SimpleNamespace(
-        fault_tolerance_config=SimpleNamespace(engine_recovery_timeout_sec=1),
-        data_parallel_size=1,
-    )
-    return EngineCoreSentinel(engine, config), aborted
+    sentinel, engine = sentinel_over(core.scheduler, getattr(core, "batch_queue", None))
+    return sentinel, engine.aborted
 
 
 def _recompute_elsewhere(llm: Any) -> dict[str, int]:
