@@ -479,12 +479,7 @@ class _GuardMixin:
             resumed.append(ResumedRequest(req_id, boundary, in_flight))
         ended = []
         if unresumable:
-            self._kvguard_failing = dict.fromkeys(unresumable, 0)
-            try:
-                finished = self.finish_requests(list(unresumable), RequestStatus.FINISHED_ERROR)
-            finally:
-                self._kvguard_failing = {}
-            for request in finished:
+            for request in self._kvguard_finish_failing(dict.fromkeys(unresumable, 0)):
                 reason = unresumable[request.request_id]
                 logger.warning(
                     "kvguard: request %s cannot resume after the fault (finish reason "
@@ -583,11 +578,7 @@ class _GuardMixin:
             # Finished before vLLM sees the output: its tokens come from NaN logits and
             # are not delivered; everything else in the batch proceeds as usual. Their
             # unvalidated blocks (the partial tail) are quarantined on release.
-            self._kvguard_failing = failed
-            try:
-                aborted = self.finish_requests(failed, RequestStatus.FINISHED_ERROR)
-            finally:
-                self._kvguard_failing = {}
+            aborted = self._kvguard_finish_failing(failed)
             metrics.requests_aborted += len(aborted)
             self._kvguard_log_aborts(aborted, failed, spans)
         # The blocks vLLM caches while it processes the output are validated with it
@@ -616,6 +607,17 @@ class _GuardMixin:
                 )
             )
         return outputs
+
+    def _kvguard_finish_failing(self, failing: dict[str, int]) -> list[Any]:
+        """Finish ``failing`` (request id -> NaN count) with ``FINISHED_ERROR`` as
+        requests that never settled clean: what they wrote past their last validated
+        step is quarantined as their blocks are released. Returns vLLM's requests."""
+        self._kvguard_failing = failing
+        try:
+            finished: list[Any] = self.finish_requests(list(failing), RequestStatus.FINISHED_ERROR)
+        finally:
+            self._kvguard_failing = {}
+        return finished
 
     def _kvguard_failed_spans(
         self, failed: dict[str, int], scheduled: Mapping[str, int]
