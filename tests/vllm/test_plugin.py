@@ -114,7 +114,7 @@ def test_plugin_makes_the_model_runners_count_nans_per_request(
         assert getattr(v1_runner.count_nans_per_row, "_kvguard_per_request_nans", False)
         assert getattr(v1_model_runner._get_nans_in_logits, "_kvguard_per_request_nans", False)
     # Runner modules a worker imports later are patched as they load.
-    assert any(type(f).__name__ == "_PatchOnImport" for f in sys.meta_path)
+    assert any(type(f).__name__ == "PatchOnImport" for f in sys.meta_path)
     plugin_on.delenv("KVGUARD_GUARD")
     assert not plugin.worker_counts_per_request()
 

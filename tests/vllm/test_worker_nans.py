@@ -31,7 +31,7 @@ from vllm.distributed import (  # noqa: E402
 )
 from vllm.v1.outputs import DraftTokenIds, SamplerOutput  # noqa: E402
 
-from kvguard.adapters.vllm import worker_nans  # noqa: E402
+from kvguard.adapters.vllm import runner_hooks, worker_nans  # noqa: E402
 from kvguard.adapters.vllm._compat import has_v1_model_runner  # noqa: E402
 
 if has_v1_model_runner():
@@ -290,7 +290,7 @@ def test_a_runner_module_imported_later_is_patched_on_import(
         patched.append(module.__name__)
         module.count = lambda: "patched"
 
-    finder = worker_nans._PatchOnImport({"kvguard_probe_runner": patch})
+    finder = runner_hooks.PatchOnImport({"kvguard_probe_runner": patch})
     monkeypatch.setattr(sys, "meta_path", [finder, *sys.meta_path])
     module = importlib.import_module("kvguard_probe_runner")
     try:
@@ -313,8 +313,8 @@ def test_two_hooks_for_one_module_both_patch_it_once(
 
     (tmp_path / "kvguard_probe_runner2.py").write_text("steps = []\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    first = worker_nans._PatchOnImport({"kvguard_probe_runner2": lambda m: m.steps.append(1)})
-    second = worker_nans._PatchOnImport({"kvguard_probe_runner2": lambda m: m.steps.append(2)})
+    first = runner_hooks.PatchOnImport({"kvguard_probe_runner2": lambda m: m.steps.append(1)})
+    second = runner_hooks.PatchOnImport({"kvguard_probe_runner2": lambda m: m.steps.append(2)})
     monkeypatch.setattr(sys, "meta_path", [first, second, *sys.meta_path])
     try:
         assert importlib.import_module("kvguard_probe_runner2").steps == [1, 2]

@@ -43,13 +43,12 @@ loading plugins), or at once if it already was. Idempotent.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
+
+from .runner_hooks import patch_runners
 
 V1_RUNNER = "vllm.v1.worker.gpu_model_runner"
 V2_RUNNER = "vllm.v1.worker.gpu.model_runner"
@@ -64,12 +63,7 @@ _booking = threading.local()
 
 def install() -> None:
     """Make vLLM's model runners count NaN logits per request (see the module doc)."""
-    for name, patch in _PATCHES.items():
-        module = sys.modules.get(name)
-        if module is not None:
-            patch(module)
-    if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport(_PATCHES))
+    patch_runners(_PATCHES)
     global _installed
     _installed = True
 
@@ -190,52 +184,3 @@ def _mark(patched: Any, stock: Any) -> None:
 
 
 _PATCHES: dict[str, Callable[[ModuleType], None]] = {V1_RUNNER: _patch_v1, V2_RUNNER: _patch_v2}
-
-
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Patches a module right after it is first executed (a post-import hook).
-
-    Several hooks may patch one module (the NaN counting here, the slot wipe of
-    :mod:`kvguard.adapters.vllm.worker_slots`): the first hook on ``sys.meta_path`` that
-    knows the module applies every hook's patch for it, in ``sys.meta_path`` order, and
-    no hook asks another (which would recurse)."""
-
-    def __init__(self, patches: Mapping[str, Callable[[ModuleType], None]]) -> None:
-        self.patches = patches
-
-    def find_spec(
-        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in self.patches:
-            return None
-        hooks = [f for f in sys.meta_path if isinstance(f, _PatchOnImport)]
-        patches = [f.patches[fullname] for f in hooks if fullname in f.patches]
-        for finder in sys.meta_path:
-            if isinstance(finder, _PatchOnImport) or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _PatchingLoader(spec.loader, patches)
-        return spec
-
-
-class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, loader: Any, patches: list[Callable[[ModuleType], None]]) -> None:
-        self.loader = loader
-        self.patches = patches
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        module: ModuleType | None = self.loader.create_module(spec)
-        return module
-
-    def exec_module(self, module: ModuleType) -> None:
-        self.loader.exec_module(module)
-        for patch in self.patches:
-            patch(module)
-
-    def __getattr__(self, name: str) -> Any:  # get_code, get_source, is_package, ...
-        return getattr(self.loader, name)

@@ -18,14 +18,14 @@ rather than leaving the slots as they are.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
 from kvguard.results import SlotRange
 
-from .worker_nans import V1_RUNNER, V2_RUNNER, _PatchOnImport
+from .runner_hooks import patch_runners
+from .worker_nans import V1_RUNNER, V2_RUNNER
 
 SLOTS_FIELD = "kvguard_slots_to_zero"
 """The ``SchedulerOutput`` attribute the guarded scheduler puts the slots in."""
@@ -143,12 +143,7 @@ _PATCHES: dict[str, Callable[[ModuleType], None]] = {
 def install() -> None:
     """Make vLLM's model runners wipe ``kvguard_slots_to_zero`` (see the module doc):
     at once for a runner module already imported, else when it is. Idempotent."""
-    for name, patch in _PATCHES.items():
-        module = sys.modules.get(name)
-        if module is not None:
-            patch(module)
-    if not any(isinstance(f, _PatchOnImport) and f.patches is _PATCHES for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport(_PATCHES))
+    patch_runners(_PATCHES)
     global _installed
     _installed = True
 
