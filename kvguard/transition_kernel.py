@@ -893,16 +893,11 @@ class TransitionKernel:
         writer -- its holder's next step writes it again, and validates it. Its hash,
         a deferred publication and the writers in flight are void; its generation moves
         on (a copy begun before is dropped)."""
-        block = self.blocks[block_id]
-        self._move(block, _ROLLBACK)
-        block.block_hash = None
-        block.parent_hash = None
-        block.generation += 1
+        slots = self.rollback(block_id, keep, block_size, False)  # WRITTEN again if keep
+        if not keep:
+            self._move(self.blocks[block_id], _WRITE)
         self.deferred.pop(block_id, None)
-        self._move(block, _WRITE)
         self.writers[block_id] = 1
-        slots = SlotRange(block_id, keep, block_size)
-        self.zero.add_slots((slots,))
         self.counters.slots_zeroed += block_size - keep
         return slots
 
