@@ -190,6 +190,25 @@ def arm_crash(llm: Any, positions: Sequence[int]) -> None:
     llm.apply_model(functools.partial(_arm_crash, positions=tuple(positions)))
 
 
+def _arm_late_nan(model: Any, positions: tuple[int, ...]) -> None:
+    model.late_nan_at.update(positions)
+
+
+def _late_nan_blocks(model: Any) -> list[int]:
+    return list(model.late_nan_blocks)
+
+
+def arm_late_nan(llm: Any, positions: Sequence[int]) -> None:
+    """After the forward computing any of ``positions``, NaN lands in the KV block
+    holding it, every layer: the step's logits stay finite (see the test model)."""
+    llm.apply_model(functools.partial(_arm_late_nan, positions=tuple(positions)))
+
+
+def late_nan_blocks(llm: Any) -> list[int]:
+    """The KV blocks armed late NaN was written into so far (first worker)."""
+    return list(llm.apply_model(_late_nan_blocks)[0])
+
+
 def crashes_fired(llm: Any) -> list[int]:
     """The positions armed crashes fired at so far (first worker)."""
     return list(llm.apply_model(_crashed)[0])

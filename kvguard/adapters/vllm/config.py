@@ -3,7 +3,8 @@
 Sources, first match wins: ``VllmConfig.additional_config["kvguard"]`` (a dict, e.g.
 ``--additional-config '{"kvguard": {"zero_policy": "all"}}'``), then environment
 variables ``KVGUARD_GUARD`` (``0`` = pass-through), ``KVGUARD_ZERO_POLICY``
-(``suspect``/``all``/``none``), ``KVGUARD_CHECK_INVARIANTS``.
+(``suspect``/``all``/``none``), ``KVGUARD_AUDIT`` (``1`` = the KV audit),
+``KVGUARD_CHECK_INVARIANTS``.
 """
 
 from __future__ import annotations
@@ -30,12 +31,16 @@ class GuardConfig:
     on vLLM's own pool."""
     zero_policy: ZeroPolicy = ZeroPolicy.SUSPECT
     """Which reused blocks the worker zeroes (``new_block_ids_to_zero``)."""
+    audit: bool = False
+    """The KV audit: workers scan the blocks each step fills for NaN and infinities
+    (one launch per step), and a request whose filled blocks hold one fails that step
+    as for NaN logits -- finite logits do not prove finite KV."""
     check_invariants: bool = False
     """Walk kvguard's whole pool after every mutation (tests, debugging)."""
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> GuardConfig:
-        unknown = set(values) - {"enabled", "zero_policy", "check_invariants"}
+        unknown = set(values) - {"enabled", "zero_policy", "audit", "check_invariants"}
         if unknown:
             raise GuardConfigError(f"unknown kvguard settings: {sorted(unknown)}")
         try:
@@ -48,6 +53,7 @@ class GuardConfig:
         return cls(
             enabled=bool(values.get("enabled", True)),
             zero_policy=policy,
+            audit=bool(values.get("audit", False)),
             check_invariants=bool(values.get("check_invariants", False)),
         )
 
@@ -57,6 +63,7 @@ class GuardConfig:
             {
                 "enabled": environ.get("KVGUARD_GUARD", "1") not in ("0", "", "false"),
                 "zero_policy": environ.get("KVGUARD_ZERO_POLICY", ZeroPolicy.SUSPECT.value),
+                "audit": environ.get("KVGUARD_AUDIT", "0") not in ("0", "", "false"),
                 "check_invariants": environ.get("KVGUARD_CHECK_INVARIANTS", "0") not in ("0", ""),
             }
         )

@@ -30,7 +30,8 @@ LABEL = "kvguard_scheduler"
 @dataclass(slots=True)
 class GuardMetrics:
     requests_aborted: int = 0
-    """Requests finished with FINISHED_ERROR because a step's logits had NaN."""
+    """Requests finished with FINISHED_ERROR because a step's logits had NaN (or, with
+    the KV audit on, the KV it filled had NaN or an infinity)."""
     steps_validated: int = 0
     """Per-request step results that validated (clean NaN count)."""
     steps_unchecked: int = 0
@@ -45,6 +46,13 @@ class GuardMetrics:
     """Scheduled steps whose output never came back (vLLM's fault tolerance drops the
     outputs of the steps in flight): what they filled waits for a counted step."""
 
+    blocks_audited: int = 0
+    """Blocks sent to the workers' KV audit (``"audit": true``): those steps filled."""
+    requests_failed_audit: int = 0
+    """Requests aborted because the KV audit found NaN or an infinity in a block their
+    step filled (counted where the worker tells the audit from the logits: V1 runners
+    under synchronous scheduling; otherwise in ``requests_aborted`` only)."""
+
     requests_recovered: int = 0
     """Requests ``recover()`` rolled back to their validated KV (they resume)."""
     tokens_rolled_back: int = 0
@@ -57,7 +65,9 @@ class GuardMetrics:
 
 
 _HELP = {
-    "requests_aborted": "Requests finished with an error because a step's logits had NaN",
+    "requests_aborted": (
+        "Requests finished with an error because a step's logits (or audited KV) had NaN"
+    ),
     "steps_validated": "Per-request steps whose logits were NaN-free",
     "steps_unchecked": (
         "Per-request steps without a NaN count (their blocks wait for a counted step)"
@@ -67,6 +77,8 @@ _HELP = {
         "Window frees of blocks a step in flight may still write (quarantined)"
     ),
     "steps_lost": "Scheduled steps whose output never came back (engine fault tolerance)",
+    "blocks_audited": "Blocks the workers' KV audit scanned (blocks steps filled)",
+    "requests_failed_audit": "Requests aborted because the KV audit found NaN/Inf in their KV",
     "requests_recovered": "Requests recover() rolled back to their validated KV (they resume)",
     "tokens_rolled_back": "Tokens of recovered requests' lost steps (recomputed)",
     "requests_unrecoverable": "Requests recover() could not resume (finished with an error)",

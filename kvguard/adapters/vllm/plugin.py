@@ -46,7 +46,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from kvguard.adapters.vllm import metrics, worker_nans, worker_slots
+from kvguard.adapters.vllm import metrics, worker_audit, worker_nans, worker_slots
 from kvguard.adapters.vllm._compat import (
     has_v1_model_runner,
     require_supported_vllm,
@@ -81,6 +81,12 @@ def requested_by(vllm_config: Any, environ: Any = os.environ) -> bool:
     return requested(environ)
 
 
+def guard_config(vllm_config: Any) -> GuardConfig:
+    """The guard's settings for the engine of ``vllm_config``: its
+    ``additional_config["kvguard"]``, else the environment."""
+    return GuardConfig.from_vllm(getattr(vllm_config, "additional_config", None))
+
+
 def register() -> None:
     """The ``vllm.general_plugins`` entry point."""
     _install_start_up_hooks()
@@ -107,6 +113,7 @@ def activate(*, by_config: bool = False) -> None:
     _patch_fault_handler()
     worker_nans.install()
     worker_slots.install()
+    worker_audit.install()
     _active = True
     _by_config = _by_config or by_config
 
@@ -176,6 +183,7 @@ def _worker_report(wrapper: Any) -> dict[str, bool]:
         "zeroer": kv_cache_config is not None
         and bool(kv_cache_config.needs_kv_cache_zeroing)
         and worker_zeroes_blocks(runner),
+        "audit": runner is not None and worker_audit.runner_audits(runner),
     }
 
 
@@ -198,13 +206,18 @@ _MISSING = {
     "nan_counting": f"it does not count NaN logits ({NAN_SETTING} is off there)",
     "per_request_nans": "its model runner counts NaN logits per row, not per request",
     "zeroer": "it did not build its KV block zeroer (quarantined blocks would be reused unwiped)",
+    "audit": 'its model runner cannot run the KV audit ("audit": true): vLLM 0.34\'s x86 CPU '
+    "runner has no audit, nor has a runner with an attention backend kvguard does not know",
 }
+"""What each key of a worker's report missing means; ``audit`` is asked only of an
+engine with the KV audit on."""
 
 
 def check_workers(collective_rpc: Any, vllm_config: Any) -> None:
-    """Every worker counts NaN logits per request and built its block zeroer, or the
-    engine refuses to start. (Pooling models run unguarded: nothing to check.) How
-    many passed is kept for the scheduler's start-up line (:func:`workers_checked`)."""
+    """Every worker counts NaN logits per request and built its block zeroer (and, with
+    the KV audit on, can run it), or the engine refuses to start. (Pooling models run
+    unguarded: nothing to check.) How many passed is kept for the scheduler's start-up
+    line (:func:`workers_checked`)."""
     global _checked
     from kvguard.adapters.vllm.scheduler import is_pooling_model
 
@@ -224,10 +237,11 @@ def check_workers(collective_rpc: Any, vllm_config: Any) -> None:
             "kvguard's vLLM plugin did not run in that worker process. Install kvguard "
             "wherever vLLM runs a worker, and keep 'kvguard' in VLLM_PLUGINS if it is set."
         ) from exc
+    asked = [key for key in _MISSING if key != "audit" or guard_config(vllm_config).audit]
     problems = [
         f"worker {rank}: {_MISSING[key]}"
         for rank, report in enumerate(reports)
-        for key in _MISSING
+        for key in asked
         if not report.get(key)
     ]
     if problems:

@@ -21,6 +21,12 @@ What changes against vLLM (everything else is vLLM's own code path):
   (``free_blocks(..., steps_passed=True)``); one freed or preempted with a step in
   flight, or whose blocks a connector holds on to, is forgotten, and its unvalidated
   blocks are quarantined on release.
+* with the KV audit on (``{"kvguard": {"audit": true}}``) each step carries the blocks
+  it fills (``kvguard_blocks_to_audit``); the workers add the blocks holding NaN or an
+  infinity to the request's NaN count (:mod:`kvguard.adapters.vllm.worker_audit`), so
+  such a step fails as for NaN logits. Blocks cached while an output is processed are
+  then carried to the request's next step, which audits them, instead of validated on
+  the spot.
 * ``new_block_ids_to_zero`` carries kvguard's zero queue (quarantined blocks being
   reused, or every new block under ``zero_policy=all``) instead of vLLM's "every new
   block" list. Workers apply it only when ``KVCacheConfig.needs_kv_cache_zeroing`` is
@@ -88,6 +94,7 @@ WARNING and above only, bare.)"""
 
 NAN_SETTING = "VLLM_COMPUTE_NANS_IN_LOGITS"
 _NONE: frozenset[str] = frozenset()
+_NO_AUDIT: Mapping[str, int] = {}
 
 
 def is_pooling_model(vllm_config: Any) -> bool:
@@ -194,6 +201,8 @@ class _GuardMixin:
         self._kvguard_slots: list[SlotRange] = []
         # vLLM's fault handler is running (kvguard_fault): its abort recovers instead.
         self._kvguard_on_fault = False
+        # The KV audit: the workers scan the blocks each step fills.
+        self._kvguard_audit = guard.audit
         # Every publication held back, per step in flight (and what else waits).
         self._kvguard_ledger = StepLedger(settles=self._kvguard_fill_settled)
         managers = self.kv_cache_manager.coordinator.single_type_managers
@@ -230,7 +239,7 @@ class _GuardMixin:
         groups = [type(m.kv_cache_spec).__name__ for m in managers]
         logger.info(
             "kvguard: guard in force (vLLM %s, series %s, %s): workers checked: %s; "
-            "zero policy: %s; prefix caching: %s; connectors gated: %s%s; "
+            "zero policy: %s; KV audit: %s; prefix caching: %s; connectors gated: %s%s; "
             "KV cache groups guarded: %d (%s)",
             vllm.__version__,
             series_of(vllm.__version__),
@@ -239,6 +248,7 @@ class _GuardMixin:
             if checked is None
             else f"{checked} OK",
             self.kvguard_pool.guard.zero_policy.value,
+            "on" if self._kvguard_audit else "off",
             "on" if self.kv_cache_manager.enable_caching else "off",
             ", ".join(gated) or "none",
             f" (not gated: {', '.join(ungated)})" if ungated else "",
@@ -406,7 +416,13 @@ class _GuardMixin:
         ledger = self._kvguard_ledger
         ledger.open()
         scheduler_output = super().schedule(*args, **kwargs)  # type: ignore[misc]
-        ledger.seal(scheduler_output, scheduler_output.num_scheduled_tokens)
+        record = ledger.seal(scheduler_output, scheduler_output.num_scheduled_tokens)
+        if self._kvguard_audit and record.fills:
+            # The blocks this step publishes once it validates (a copy: the record's
+            # lists change as requests leave, while a worker may still read these).
+            fills = {r: list(ids) for r, ids in record.fills.items()}
+            scheduler_output.kvguard_blocks_to_audit = fills
+            self.kvguard_metrics.blocks_audited += sum(map(len, fills.values()))
         if self._kvguard_slots:  # after recover(): wiped before this step's forward
             scheduler_output.kvguard_slots_to_zero = self._kvguard_slots
             self._kvguard_slots = []
@@ -580,7 +596,9 @@ class _GuardMixin:
             # unvalidated blocks (the partial tail) are quarantined on release.
             aborted = self._kvguard_finish_failing(failed)
             metrics.requests_aborted += len(aborted)
-            self._kvguard_log_aborts(aborted, failed, spans)
+            kv_audit = getattr(nans, "kv_audit", _NO_AUDIT)
+            metrics.requests_failed_audit += sum(1 for r in failed if r in kv_audit)
+            self._kvguard_log_aborts(aborted, failed, spans, kv_audit)
         # The blocks vLLM caches while it processes the output are validated with it
         # when every write into them reported clean (the ledger's ``settles``: before
         # any block is freed, and here), else carried to the request's next step.
@@ -632,25 +650,41 @@ class _GuardMixin:
         return spans
 
     def _kvguard_log_aborts(
-        self, aborted: list[Any], failed: dict[str, int], spans: dict[str, tuple[int, int]]
+        self,
+        aborted: list[Any],
+        failed: dict[str, int],
+        spans: dict[str, tuple[int, int]],
+        kv_audit: Mapping[str, int],
     ) -> None:
-        """One WARNING per request the guard finished with an error."""
+        """One WARNING per request the guard finished with an error, with its cause."""
         for request in aborted:
             req_id = request.request_id
             start, end = spans[req_id]
             logger.warning(
                 "kvguard: aborted request %s (finish reason 'error'): the step computing "
-                "its positions %d..%d (prompt %d tokens, %d output token(s)) had %d NaN "
-                "logit(s); its tokens are not delivered, and its KV past its last "
-                "validated step is quarantined (never cached or offloaded, zeroed "
-                "before reuse)",
+                "its positions %d..%d (prompt %d tokens, %d output token(s)) had %s; its "
+                "tokens are not delivered, and its KV past its last validated step is "
+                "quarantined (never cached or offloaded, zeroed before reuse)",
                 req_id,
                 start,
                 end - 1,
                 request.num_prompt_tokens,
                 request.num_output_tokens,
-                failed[req_id],
+                self._kvguard_cause(failed[req_id], kv_audit.get(req_id, 0)),
             )
+
+    def _kvguard_cause(self, count: int, flagged_blocks: int) -> str:
+        """What made a step fail, from its count (NaN logits plus the blocks the KV
+        audit flagged) and the blocks the worker says the audit flagged."""
+        if flagged_blocks:
+            nan_logits = count - flagged_blocks
+            return f"NaN or infinite KV in {flagged_blocks} block(s) it filled (KV audit)" + (
+                f" and {nan_logits} NaN logit(s)" if nan_logits else "; its logits were finite"
+            )
+        if self._kvguard_audit and self.vllm_config.scheduler_config.async_scheduling:
+            # The counts came from the device: logits and audit are not told apart.
+            return f"{count} NaN logit(s) or non-finite KV block(s) (KV audit)"
+        return f"{count} NaN logit(s)"
 
     def _kvguard_resync(self, scheduler_output: Any) -> StepRecord:
         """The record of an output that is not the oldest step in flight.
@@ -703,8 +737,9 @@ class _GuardMixin:
         while vLLM processes an output, were written by steps that all reported and
         were counted clean (a failing request was finished before vLLM processes the
         output, and vLLM caches for running ones only). What reported is counted from
-        kvguard's ledger."""
-        if request_id in self._kvguard_unchecked:
+        kvguard's ledger. With the KV audit on, never: no step audited them (the
+        request's next step does, as for a carried fill)."""
+        if self._kvguard_audit or request_id in self._kvguard_unchecked:
             return False
         if request_id in self._kvguard_ledger.carried.fills:
             return False

@@ -48,7 +48,7 @@ from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
-from .runner_hooks import patch_runners
+from .runner_hooks import mark_wrapper, patch_runners
 
 V1_RUNNER = "vllm.v1.worker.gpu_model_runner"
 V2_RUNNER = "vllm.v1.worker.gpu.model_runner"
@@ -178,9 +178,7 @@ def _patch_v2(module: ModuleType) -> None:
 
 def _mark(patched: Any, stock: Any) -> None:
     """Tell the patch from vLLM's function (idempotence) and keep the way back."""
-    setattr(patched, _MARK, True)
-    patched.__wrapped__ = stock
-    patched.__doc__ = stock.__doc__
+    mark_wrapper(patched, stock, _MARK)
 
 
 _PATCHES: dict[str, Callable[[ModuleType], None]] = {V1_RUNNER: _patch_v1, V2_RUNNER: _patch_v2}

@@ -10,10 +10,10 @@ wiped in one launch of kvguard's ``zero_slots`` (its torch reference on CPU); th
 tokens of a block -- a partial block's validated prefix -- keep every byte.
 
 Which layout a layer's cache has comes from its attention backend
-(:data:`LAYOUT_OF_BACKEND`); vLLM's CPU attention caches are rewritten, not wiped
-(:data:`REWRITTEN_NOT_WIPED`). A step carrying slots for a layer whose backend kvguard
-does not know raises :class:`~kvguard.adapters.vllm.block_pool.GuardModeUnsupported`
-rather than leaving the slots as they are.
+(:mod:`.worker_caches`); vLLM's CPU attention caches are rewritten, not wiped. A step
+carrying slots for a layer whose backend kvguard does not know raises
+:class:`~kvguard.adapters.vllm.block_pool.GuardModeUnsupported` rather than leaving the
+slots as they are.
 """
 
 from __future__ import annotations
@@ -24,29 +24,12 @@ from typing import Any
 
 from kvguard.results import SlotRange
 
-from .runner_hooks import patch_runners
+from .runner_hooks import mark_wrapper, patch_runners
+from .worker_caches import slot_layouts
 from .worker_nans import V1_RUNNER, V2_RUNNER
 
 SLOTS_FIELD = "kvguard_slots_to_zero"
 """The ``SchedulerOutput`` attribute the guarded scheduler puts the slots in."""
-
-LAYOUT_OF_BACKEND = {
-    "FLASH_ATTN": "FLASH_ATTN",
-    "FLASHINFER": "FLASHINFER",
-    "FLASHMLA": "MLA",
-    "TRITON_MLA": "MLA",
-    "CUTLASS_MLA": "MLA",
-    "FLASH_ATTN_MLA": "MLA",
-}
-"""vLLM attention backend name -> kvguard ``LayoutKind`` name of its KV cache."""
-
-REWRITTEN_NOT_WIPED = frozenset({"CPU_ATTN"})
-"""Backends whose caches are left as they are: vLLM's CPU attention writes K and V
-through ISA-specific ops (amx, vec, neon, ...) whose order of a block's bytes per token
-kvguard cannot address, so a token-granular wipe could hit a validated token. The
-rolled-back slots are rewritten by the request's resumed step before any query reads
-them (a step writes its tokens' KV before its attention reads it, and no query reads
-past its own position)."""
 
 _MARK = "_kvguard_wipes_slots"
 _installed = False
@@ -58,50 +41,15 @@ def slot_ids(slots: Sequence[SlotRange], block_size: int) -> list[int]:
     return [s.block_id * block_size + t for s in slots for t in range(s.start, s.end)]
 
 
-def cache_layouts(runner: Any) -> list[Any]:
-    """The runner's attention caches as kvguard layouts: one per backend and tensor
-    geometry (one launch each)."""
-    import torch
-
-    from kvguard.kernels import KVCacheLayout, LayoutKind
-
-    from .block_pool import GuardModeUnsupported
-
-    forward_context = runner.compilation_config.static_forward_context
-    grouped: dict[tuple[Any, ...], list[Any]] = {}
-    for groups in runner.attn_groups:
-        for group in groups:
-            backend = group.backend.get_name()
-            if backend in REWRITTEN_NOT_WIPED:
-                continue
-            for layer in group.layer_names:
-                cache = getattr(forward_context.get(layer), "kv_cache", None)
-                if not isinstance(cache, torch.Tensor):
-                    continue
-                kind = LAYOUT_OF_BACKEND.get(backend)
-                if kind is None:
-                    raise GuardModeUnsupported(
-                        f"kvguard cannot wipe token slots in layer {layer}'s KV cache: it "
-                        f"does not know the layout of attention backend {backend} "
-                        f"(known: {', '.join(sorted(LAYOUT_OF_BACKEND))})"
-                    )
-                key = (kind, tuple(cache.shape), cache.stride(), cache.dtype)
-                grouped.setdefault(key, []).append(cache)
-    return [KVCacheLayout(caches, LayoutKind[key[0]]) for key, caches in grouped.items()]
-
-
 def wipe_slots(runner: Any, slots: Sequence[SlotRange]) -> int:
     """Zero ``slots`` in every attention layer of ``runner``; the slots wiped per layout."""
     import torch
 
     from kvguard.kernels import zero_slots
 
-    layouts = getattr(runner, "_kvguard_layouts", None)
-    if layouts is None:
-        layouts = runner._kvguard_layouts = cache_layouts(runner)
     ids = slot_ids(slots, runner.cache_config.block_size)
     wiped = 0
-    for layout in layouts:
+    for layout in slot_layouts(runner):
         tensor = torch.tensor(ids, dtype=torch.int64, device=layout.device)
         wiped += zero_slots(layout, tensor)
     return wiped
@@ -114,10 +62,7 @@ def _wiping_first(stock: Callable[..., Any]) -> Callable[..., Any]:
             wipe_slots(self, slots)
         return stock(self, scheduler_output, *args, **kwargs)
 
-    setattr(step_start, _MARK, True)
-    step_start.__wrapped__ = stock  # type: ignore[attr-defined]
-    step_start.__doc__ = stock.__doc__
-    return step_start
+    return mark_wrapper(step_start, stock, _MARK)
 
 
 def _patch(cls: str, method: str) -> Callable[[ModuleType], None]:

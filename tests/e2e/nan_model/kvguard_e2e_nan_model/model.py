@@ -23,6 +23,11 @@ its K and V in every layer are wrong but finite) and then raises
 :class:`InjectedFault` -- a worker failing mid-step after writing corrupt KV, the fault
 engine fault tolerance recovers from. Each armed crash fires once.
 
+A third kind, armed the same way (``arm_late_nan``): after the forward computing an
+armed position, NaN lands in the KV cache block holding that position, in every layer
+-- after attention read it, so the step's logits stay finite (a fault only an audit of
+the KV itself sees). Each fires once.
+
 State lives on the model instance: every engine (stock or guarded, in one process or
 several) starts fault-free. ``fired`` records ``(position, trigger)`` of every fault
 that fired, for tests that ask the worker (``collective_rpc``/``apply_model``).
@@ -68,6 +73,10 @@ class NanLlamaForCausalLM(LlamaForCausalLM):
         """Positions whose step writes garbage KV for them and then raises (once)."""
         self.crashed: list[int] = []
         """The positions crashes fired at, in order."""
+        self.late_nan_at: set[int] = set()
+        """Positions whose KV block gets NaN after the forward computing them (once)."""
+        self.late_nan_blocks: list[int] = []
+        """The KV cache blocks late NaN was written into, in order."""
 
     def forward(
         self,
@@ -88,6 +97,11 @@ class NanLlamaForCausalLM(LlamaForCausalLM):
                 inputs_embeds[crash] = 1e4  # finite garbage: wrong K and V, no NaN
                 input_ids = None
         out = super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
+        if self.faults_enabled and self.late_nan_at:
+            late = [i for i, p in enumerate(positions.tolist()) if p in self.late_nan_at]
+            if late:
+                self._write_nan_into_kv(late)
+                self.late_nan_at.difference_update(int(positions[i]) for i in late)
         if crash:
             fired = [int(positions[i]) for i in crash]
             self.crash_at.difference_update(fired)
@@ -102,6 +116,26 @@ class NanLlamaForCausalLM(LlamaForCausalLM):
         if logits is not None:
             logits[..., TRIGGER : TRIGGER + SPAN] = float("-inf")
         return logits
+
+    def _write_nan_into_kv(self, rows: list[int]) -> None:
+        """NaN into the whole KV cache block each row's token is in, every layer (vLLM's
+        CPU caches: ``[num_blocks, kv_heads, block_size, 2 * head_size]``)."""
+        from vllm.forward_context import get_forward_context
+
+        context = get_forward_context()
+        blocks: list[int] = []
+        for name, layer in context.no_compile_layers.items():
+            cache = getattr(layer, "kv_cache", None)
+            metadata = context.attn_metadata
+            if not isinstance(cache, torch.Tensor) or not isinstance(metadata, dict):
+                continue
+            if name not in metadata:
+                continue
+            block_size = cache.shape[2]
+            slots = metadata[name].slot_mapping
+            blocks = sorted({int(slots[i]) // block_size for i in rows})
+            cache[blocks] = float("nan")
+        self.late_nan_blocks += blocks
 
     def _rows_to_poison(self, input_ids: torch.Tensor, positions: torch.Tensor) -> list[int]:
         ids = input_ids.tolist()

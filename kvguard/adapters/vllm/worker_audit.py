@@ -1,0 +1,172 @@
+"""The KV audit in vLLM's workers: finite logits do not prove finite KV.
+
+A NaN written into a layer's KV after attention read it, or into a slot no query has
+attended yet, leaves the step's logits finite; published, the block would poison every
+request that hits it. With the audit on (``{"kvguard": {"audit": true}}``) the guarded
+scheduler sends, with each step, the blocks the step fills -- those it would publish
+once the step validates -- as ``SchedulerOutput.kvguard_blocks_to_audit`` (request id
+-> block ids). After the forward, the worker scans them, and only them, for NaN and
+infinities: one :func:`~kvguard.kernels.audit_blocks` launch per cache geometry over
+every layer (its torch reference on CPU), flags summed per request on the device.
+Each request's flagged blocks are added to its NaN count, so a request whose filled
+blocks hold a non-finite value fails the step as for NaN logits (aborted, its blocks
+quarantined) through the one path the scheduler already has:
+
+* **V1** (``vllm.v1.worker.gpu_model_runner``: 0.32, 0.33, vLLM's CPU build): in
+  ``_bookkeeping_sync``, which takes the counts. Synchronous scheduling reads them
+  back there already: the counts come back as :class:`AuditedCounts`, which also say
+  how many blocks of each request the audit flagged (the scheduler's log names the
+  cause). Asynchronous scheduling keeps the counts on the device: the flags are added
+  there (no host synchronisation; the log then says "NaN logits or KV").
+* **V2** (``vllm.v1.worker.gpu.model_runner``): ``update_requests`` keeps the step's
+  blocks, ``sample`` adds the flags to the sampler's per-request counts on the device.
+
+Which layout each layer's cache has, and how a scheduler block maps onto its kernel
+blocks, is :func:`~kvguard.adapters.vllm.worker_caches.block_layouts`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from types import ModuleType
+from typing import Any
+
+from .runner_hooks import mark_wrapper, patch_runners
+from .worker_caches import block_layouts
+from .worker_nans import V1_RUNNER, V2_RUNNER
+
+AUDIT_FIELD = "kvguard_blocks_to_audit"
+"""The ``SchedulerOutput`` attribute with the blocks to audit (request id -> block ids)."""
+
+_MARK = "_kvguard_audits_kv"
+_installed = False
+
+
+class AuditedCounts(dict[str, int]):
+    """Per-request NaN counts with the KV audit's findings added: ``kv_audit`` maps each
+    request the audit flagged to its blocks holding NaN or an infinity."""
+
+    kv_audit: dict[str, int]
+
+    def __init__(self, counts: Mapping[str, int], kv_audit: dict[str, int]) -> None:
+        super().__init__(counts)
+        self.kv_audit = kv_audit
+        for req_id, flagged in kv_audit.items():
+            self[req_id] = self.get(req_id, 0) + flagged
+
+    def __reduce__(self) -> Any:  # (dict's own pickling would drop kv_audit)
+        return AuditedCounts, (dict(self), self.kv_audit)
+
+
+def audit_requests(runner: Any, blocks: Mapping[str, Sequence[int]]) -> Any:
+    """Blocks holding NaN or an infinity in any layer, per request of ``blocks`` (in
+    its order): int32 ``[len(blocks)]`` on the caches' device, no host synchronisation."""
+    import torch
+
+    from kvguard.kernels import audit_blocks, sum_rows_per_request
+
+    ids: list[int] = []
+    cu = [0]
+    for block_ids in blocks.values():
+        ids += block_ids
+        cu.append(len(ids))
+    flags = None
+    for layout in block_layouts(runner):
+        found = audit_blocks(layout, ids)
+        flags = found if flags is None else flags | found
+    if flags is None:  # no attention cache: nothing to audit
+        return torch.zeros(len(blocks), dtype=torch.int32)
+    per_block = flags.to(torch.int32)
+    return sum_rows_per_request(per_block, torch.tensor(cu, device=per_block.device))
+
+
+def add_to_device_counts(counts: Any, rows: Sequence[int], flagged: Any) -> None:
+    """Add ``flagged`` (per audited request) to ``counts`` rows ``rows``, on the device."""
+    import torch
+
+    index = torch.tensor(rows, dtype=torch.int64).to(counts.device, non_blocking=True)
+    counts.index_add_(0, index, flagged.to(device=counts.device, dtype=counts.dtype))
+
+
+def _patch_v1(module: ModuleType) -> None:
+    runner = module.GPUModelRunner
+    stock = runner._bookkeeping_sync
+    if getattr(stock, _MARK, False):
+        return
+
+    def _bookkeeping_sync(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        result = stock(self, scheduler_output, *args, **kwargs)
+        blocks = getattr(scheduler_output, AUDIT_FIELD, None)
+        if not blocks:
+            return result
+        counts, device_counts, *rest = result
+        flagged = audit_requests(self, blocks)
+        if device_counts is not None:  # async scheduling: the counts stay on the device
+            index = self.input_batch.req_id_to_index
+            audited = [r for r in blocks if r in index]
+            keep = [i for i, r in enumerate(blocks) if r in index]
+            add_to_device_counts(device_counts, [index[r] for r in audited], flagged[keep])
+            return (counts, device_counts, *rest)
+        found = {r: n for r, n in zip(blocks, flagged.tolist(), strict=True) if n}
+        return (AuditedCounts(counts, found) if found else counts, device_counts, *rest)
+
+    runner._bookkeeping_sync = mark_wrapper(_bookkeeping_sync, stock, _MARK)
+
+
+def _patch_v2(module: ModuleType) -> None:
+    runner = module.GPUModelRunner
+    stock_update = runner.update_requests
+    stock_sample = runner.sample
+    if getattr(stock_sample, _MARK, False):
+        return
+
+    def update_requests(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        self._kvguard_audit = getattr(scheduler_output, AUDIT_FIELD, None)
+        return stock_update(self, scheduler_output, *args, **kwargs)
+
+    def sample(self: Any, hidden_states: Any, input_batch: Any, *args: Any, **kw: Any) -> Any:
+        result = stock_sample(self, hidden_states, input_batch, *args, **kw)
+        blocks = getattr(self, "_kvguard_audit", None)
+        counts = result[0].num_nans
+        if blocks and counts is not None:
+            self._kvguard_audit = None
+            rows = {r: i for i, r in enumerate(input_batch.req_ids)}
+            keep = [i for i, r in enumerate(blocks) if r in rows]
+            flagged = audit_requests(self, blocks)[keep]
+            add_to_device_counts(counts, [rows[r] for r in blocks if r in rows], flagged)
+        return result
+
+    runner.update_requests = mark_wrapper(update_requests, stock_update, _MARK)
+    runner.sample = mark_wrapper(sample, stock_sample, _MARK)
+
+
+_PATCHES: dict[str, Callable[[ModuleType], None]] = {V1_RUNNER: _patch_v1, V2_RUNNER: _patch_v2}
+
+
+def install() -> None:
+    """Make vLLM's model runners audit ``kvguard_blocks_to_audit`` (see the module
+    doc): at once for a runner module already imported, else when it is. Idempotent."""
+    patch_runners(_PATCHES)
+    global _installed
+    _installed = True
+
+
+def installed() -> bool:
+    """Whether :func:`install` ran in this process."""
+    return _installed
+
+
+def runner_audits(runner: Any) -> bool:
+    """Whether ``runner`` applies ``kvguard_blocks_to_audit``: its class has the patch
+    (vLLM 0.34's x86 CPU runner has none) and kvguard knows the layout of every one of
+    its attention caches."""
+    from .block_pool import GuardModeUnsupported
+
+    method = "_bookkeeping_sync" if hasattr(type(runner), "_bookkeeping_sync") else "sample"
+    if not getattr(getattr(type(runner), method, None), _MARK, False):
+        return False
+    try:
+        block_layouts(runner)
+    except GuardModeUnsupported:
+        return False
+    return True
