@@ -39,18 +39,20 @@ def undo_plugin_patches_after(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def undo_runner_patches_after(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The model runners' patches -- per-request NaN counting (``worker_nans``) and
-    the slot wipe (``worker_slots``) -- are put back when ``monkeypatch`` undoes its
-    changes: V2's runner, and V1's where the series has one."""
+    """The model runners' patches -- per-request NaN counting (``worker_nans``), the
+    slot wipe (``worker_slots``) and the KV audit (``worker_audit``) -- are put back
+    when ``monkeypatch`` undoes its changes: V2's runner, and V1's where the series has
+    one."""
     import sys
 
     import vllm.v1.worker.gpu.model_runner as v2_runner
 
-    from kvguard.adapters.vllm import worker_nans, worker_slots
+    from kvguard.adapters.vllm import worker_audit, worker_nans, worker_slots
     from kvguard.adapters.vllm._compat import has_v1_model_runner
 
     monkeypatch.setattr(worker_nans, "_installed", False)
     monkeypatch.setattr(worker_slots, "_installed", False)
+    monkeypatch.setattr(worker_audit, "_installed", False)
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
     v2 = v2_runner.GPUModelRunner
     monkeypatch.setattr(v2, "sample", v2.sample)

@@ -55,7 +55,14 @@ class AuditedCounts(dict[str, int]):
             self[req_id] = self.get(req_id, 0) + flagged
 
     def __reduce__(self) -> Any:  # (dict's own pickling would drop kv_audit)
-        return AuditedCounts, (dict(self), self.kv_audit)
+        return _restore, (dict(self), self.kv_audit)
+
+
+def _restore(counts: dict[str, int], kv_audit: dict[str, int]) -> AuditedCounts:
+    """An :class:`AuditedCounts` from its counts with the findings already added."""
+    restored = AuditedCounts(counts, {})
+    restored.kv_audit = kv_audit
+    return restored
 
 
 def audit_requests(runner: Any, blocks: Mapping[str, Sequence[int]]) -> Any:
