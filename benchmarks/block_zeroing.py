@@ -36,7 +36,9 @@ same draws for both. Before timing, each side zeroes ids of a small cache of the
 shape, which must then equal the expected bytes. The sides are timed in alternation
 (each sample times every side in turn, on the same draws); each prints its median.
 
-Run: ``python benchmarks/block_zeroing.py`` (``--quick``: small caches, few samples).
+Run: ``python benchmarks/block_zeroing.py`` (``--quick``: small caches, few samples;
+``--threads N``: torch's CPU threads, e.g. 1 on a machine shared with other work, where a
+second thread of each torch op waits on a busy core).
 """
 
 from __future__ import annotations
@@ -377,7 +379,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small caches, few samples")
     parser.add_argument("--seed", type=int, default=0, help="seed of the block id draws")
+    parser.add_argument(
+        "--threads", type=int, help="torch's CPU threads (default: torch's own choice)"
+    )
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     rng = random.Random(args.seed)
     print("block zeroing: vLLM's zeroer vs kvguard's zero_blocks (ratio kvguard/vLLM)")
     print(f"machine: {machine()}")
