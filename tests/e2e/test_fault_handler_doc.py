@@ -36,7 +36,7 @@ def _handler_from_the_docs() -> Any:
         "WorkerFailed": InjectedFault,
         "restart_failed_worker": lambda executor: None,
     }
-    exec(compile(code, str(DOC), "exec"), namespace)  # noqa: S102 (the project's own docs)
+    exec(compile(code, str(DOC), "exec"), namespace)  # the project's own docs
     return namespace["step_or_resume"]
 
 
