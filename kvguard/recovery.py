@@ -1,5 +1,6 @@
 """Fault recovery: roll a request back to its surviving KV (``zero_request_tail``), or
-an engine's own block tables back to theirs (``roll_back_blocks``).
+an engine's own block tables back to theirs (``roll_back_blocks``); and what that saves
+(:func:`recompute_after_lost_steps`).
 
 The pool plans the rollback and queues the token slots to wipe (sans-IO); the kernels
 layer (:class:`kvguard.kernels.CacheWiper`) executes the wipe on the device.
@@ -9,12 +10,67 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from kvguard import arguments
 from kvguard.errors import PoolMisuseError, RollbackError
 from kvguard.pool_core import PoolCore, _cdiv
 from kvguard.results import SlotRange, TailRollback
 from kvguard.states import MATCHABLE_STATES, BlockState
+
+
+@dataclass(frozen=True, slots=True)
+class RecomputeCost:
+    """Tokens one request recomputes after its steps in flight are lost, by approach
+    (:func:`recompute_after_lost_steps`)."""
+
+    rollback: int
+    """Rolled back to its validated boundary (kvguard: ``zero_request_tail``, or
+    ``recover()`` in vLLM): the tokens its lost steps computed, no more."""
+    drop_blocks: int
+    """The blocks its lost steps touched dropped and the request preempted (vLLM PR
+    #50265), or the request aborted and resubmitted: every token it had computed but
+    those of its published full blocks below the lost steps (its prefix-cache hits)."""
+
+
+def recompute_after_lost_steps(
+    computed: int, in_flight: int, block_size: int, published_blocks: int
+) -> RecomputeCost:
+    """What a request whose steps in flight are lost (a rank failed) recomputes.
+
+    ``computed``: its computed tokens at the fault, the lost steps' included (vLLM's
+    ``num_computed_tokens``; the pool's written tokens); ``in_flight``: the tokens the
+    lost steps compute; ``published_blocks``: how many of its blocks, counted from its
+    first, are published (a prefix lookup finds them)::
+
+        0              kept     boundary                computed
+        |== published ==|- - - - -|####### in flight #######|
+                        |<------------- drop_blocks ------->|
+                                  |<------ rollback ------->|
+
+    ``boundary = computed - in_flight`` and ``kept = min(published_blocks, boundary //
+    block_size) * block_size``. A rollback keeps everything below the boundary, a
+    partial block's validated prefix included. Dropping the touched blocks and
+    preempting, like aborting and resubmitting, frees the request's blocks: only the
+    published full ones below the first touched block are found again, and validated
+    KV that was not published (a partial block, caching off) is recomputed too. Pure
+    arithmetic (no pool), so that a simulator, an engine adapter and a test compare
+    the approaches by one rule.
+    """
+    computed = arguments.count("computed", computed)
+    in_flight = arguments.count("in_flight", in_flight)
+    block_size = arguments.count("block_size", block_size)
+    published_blocks = arguments.count("published_blocks", published_blocks)
+    if block_size == 0:
+        raise PoolMisuseError("block_size must be at least 1, got 0")
+    if in_flight > computed:
+        raise PoolMisuseError(
+            f"in_flight ({in_flight}) exceeds computed ({computed}): the lost steps' tokens "
+            "are part of the computed ones"
+        )
+    boundary = computed - in_flight
+    kept = min(published_blocks, boundary // block_size) * block_size
+    return RecomputeCost(rollback=in_flight, drop_blocks=computed - kept)
 
 
 class Recovery:
