@@ -18,7 +18,13 @@ from kvguard.sim.config import (
     Scenario,
 )
 from kvguard.sim.progress import Progress
-from kvguard.sim.report import format_report, format_table, report_json, write_json
+from kvguard.sim.report import (
+    format_lost_steps,
+    format_report,
+    format_table,
+    report_json,
+    write_json,
+)
 from kvguard.sim.runner import (
     PolicySummary,
     SimulationReport,
@@ -38,6 +44,7 @@ __all__ = [
     "Progress",
     "Scenario",
     "SimulationReport",
+    "format_lost_steps",
     "format_report",
     "format_table",
     "ground_truth",

@@ -21,8 +21,11 @@ class FaultKind(enum.Enum):
     LOGITS_NAN = "logits"
     """NaN in the logits row of one request (a bad sampler input); the KV stays clean."""
     RANK_FAILURE = "rank"
-    """A rank fails during the step: the request's in-flight tail (every slot the step
-    wrote, every layer) is garbled, and the engine learns of it with the step's output."""
+    """A rank fails during the step, which is lost as a whole, as in a real engine: every
+    slot the step wrote, for every request in it, is garbled (every layer), and the
+    engine learns of it with the step's output. Every request with a step in flight (under
+    async scheduling also those of the next step, already run) is then handled as the
+    policy handles a rank failure (:attr:`Policy.tail_recovery`)."""
     KV_LATE = "kv-late"
     """NaN written into one cached K/V slot *after* the layer's attention read it: the
     step's logits stay finite, so only a KV audit catches it (opt-in: it shows what the
@@ -45,8 +48,10 @@ class Policy:
     audit_kv: bool = False
     """Scan the blocks a step wrote for non-finite values before they are published."""
     tail_recovery: bool = False
-    """On a rank failure, roll the request back with ``zero_request_tail`` and resume
-    (otherwise a guarded policy aborts it)."""
+    """On a rank failure, roll every request with a step in flight back to its validated
+    boundary with ``zero_request_tail`` and resume it (what kvguard's ``recover()`` does
+    in vLLM). Otherwise a policy that defers publication aborts them all (vLLM's fault
+    handler), and one that publishes at schedule time does not notice the failure."""
     guarded: bool = True
     """A kvguard policy: any corruption escape under it makes ``kvguard simulate`` fail."""
     description: str = ""
@@ -58,7 +63,10 @@ EAGER = Policy(
     abort_on_nan=False,
     zero_policy=ZeroPolicy.NONE,
     guarded=False,
-    description="vLLM 0.33: publish and offload at schedule time, no abort, no zeroing",
+    description=(
+        "vLLM 0.33: publish and offload at schedule time, no abort, no zeroing, "
+        "rank failures unnoticed"
+    ),
 )
 DEFER_ZERO_ALL = Policy(
     "defer-zero-all",
@@ -66,7 +74,10 @@ DEFER_ZERO_ALL = Policy(
     abort_on_nan=True,
     zero_policy=ZeroPolicy.ALL,
     guarded=False,
-    description="vLLM PR #50283: defer publication, abort on NaN, zero every new block",
+    description=(
+        "vLLM PR #50283: defer publication, abort on NaN, zero every new block, abort "
+        "every request of a step lost to a rank failure"
+    ),
 )
 KVGUARD = Policy(
     "kvguard",
@@ -74,7 +85,10 @@ KVGUARD = Policy(
     abort_on_nan=True,
     zero_policy=ZeroPolicy.SUSPECT,
     tail_recovery=True,
-    description="kvguard: defer, abort alone, zero suspect blocks only, recover rank failures",
+    description=(
+        "kvguard: defer, abort alone, zero suspect blocks only, roll every request of a "
+        "step lost to a rank failure back and resume"
+    ),
 )
 KVGUARD_AUDIT = dataclasses.replace(
     KVGUARD,

@@ -8,11 +8,18 @@ One iteration of :meth:`Engine.run` is one engine step::
     forward(k)   -> write K/V, attend, logits; faults fire here; NaN count (+ KV audit)
     tier stores  -> copy blocks whose store was begun, then ack_store
     process      -> step k (sync) or step k-1 (async): validate or fail, deliver tokens,
-                    recover rank failures with zero_request_tail, begin stores
+                    begin stores; a step lost to a rank failure loses every request
+                    with a step in flight (recovered with zero_request_tail, or aborted)
 
 With async scheduling a step's result is processed after the next step was scheduled and
 run, as in vLLM's async scheduler: a request admitted in between sees the earlier step's
 blocks still unvalidated (WRITTEN) under kvguard, and already published under ``eager``.
+
+A rank failure loses the whole step, as in a real engine: no request of that forward gets
+its output, and under async scheduling neither does any request of the next step (vLLM's
+fault handler drains its batch queue). Every request with a step in flight is handled as
+the policy handles a rank failure (:meth:`Engine._lose_steps`), and the counters say what
+it recomputes next to what dropping blocks (vLLM PR #50265) or resubmitting would.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from kvguard.pool import BlockPool
+from kvguard.recovery import RecomputeCost, recompute_after_lost_steps
 from kvguard.results import StoreTicket
 from kvguard.sim.config import FaultKind, Policy, Scenario
 from kvguard.sim.device import DeviceOps
@@ -36,6 +44,7 @@ from kvguard.sim.offload import TIER, CpuTier, TierEntry
 from kvguard.sim.scheduler import ScheduledChunk, Scheduler, TierLoad
 from kvguard.sim.sequence import Seq, SeqStatus
 from kvguard.sim.workload import RequestSpec
+from kvguard.states import MATCHABLE_STATES
 
 # A run that has not drained after this many steps is stuck (a bug, not a workload).
 MAX_STEPS = 1_000_000
@@ -49,6 +58,7 @@ class ChunkResult:
     sampled: int | None
     nan_count: int
     rank_failed: bool
+    """A rank failed during this chunk's forward (any request's fault): the step is lost."""
     audit_failed: bool
 
 
@@ -113,10 +123,10 @@ class Engine:
             self._run_store_jobs()
             if self.scenario.async_scheduling:
                 if pending is not None:
-                    self._process(pending)
+                    self._process(pending, record)  # ``record``: the next step, in flight
                 pending = record
             elif record is not None:
-                self._process(record)
+                self._process(record, None)
             step += 1
             self.counters.steps += 1
             if on_step is not None:
@@ -155,6 +165,8 @@ class Engine:
                 error=seq.error,
                 recoveries=seq.recoveries,
                 preemptions=seq.preemptions,
+                tokens_rolled_back=seq.tokens_rolled_back,
+                tokens_if_blocks_dropped=seq.tokens_if_blocks_dropped,
             )
         return out
 
@@ -222,9 +234,10 @@ class Engine:
         written = [
             tables[i][c.start // size : (c.end - 1) // size + 1] for i, c in enumerate(chunks)
         ]
-        for i, c in enumerate(chunks):
-            if fired[i] is FaultKind.RANK_FAILURE:
-                # The rank died mid-step: everything this step wrote is garbage.
+        rank_failed = FaultKind.RANK_FAILURE in fired
+        if rank_failed:
+            # A rank died mid-step: everything the step wrote, for every request, is garbage.
+            for i, c in enumerate(chunks):
                 self.cache.poison(None, self.cache.slot_index(tables[i], c.start, c.end))
         audit_failed = [False] * len(chunks)
         if self.policy.audit_kv:
@@ -239,13 +252,9 @@ class Engine:
             if c.end == len(seq.tokens):  # every known token computed: sample the next
                 token = sampled[i]
                 seq.tokens.append(token)
-            if fired[i] is not None or nan_counts[i]:
+            if rank_failed or fired[i] is not None or nan_counts[i]:
                 self._failed_writes.update(written[i])
-            results.append(
-                ChunkResult(
-                    c, token, nan_counts[i], fired[i] is FaultKind.RANK_FAILURE, audit_failed[i]
-                )
-            )
+            results.append(ChunkResult(c, token, nan_counts[i], rank_failed, audit_failed[i]))
             self.counters.tokens_computed += c.end - c.start
         return results
 
@@ -277,24 +286,25 @@ class Engine:
 
     # ------------------------------------------------------------------ host side
 
-    def _process(self, results: list[ChunkResult]) -> None:
+    def _process(self, results: list[ChunkResult], later: list[ChunkResult] | None) -> None:
+        """Handle one step's output; ``later``: the next step's, in flight (async)."""
         policy = self.policy
         pool = self.pool
+        if not policy.publish_at_schedule:
+            live = [r.chunk.seq for r in results if _live(r)]
+            if live and results[0].rank_failed:
+                self._lose_steps([*live, *(r.chunk.seq for r in later or () if _live(r))])
+                return
         for r in results:
             seq = r.chunk.seq
-            if seq.epoch != r.chunk.epoch or seq.status is not SeqStatus.RUNNING:
+            if not _live(r):
                 continue  # dropped: preempted, aborted or rolled back since
             if policy.publish_at_schedule:
-                # vLLM 0.33 only counts NaNs; nothing is withheld or rolled back.
+                # vLLM 0.33 only counts NaNs; nothing is withheld or rolled back (a rank
+                # failure goes unnoticed: its garbage KV stays and is published).
                 self._deliver(seq, r.sampled)
                 if seq.status is SeqStatus.RUNNING:
                     self._offer_stores(seq)  # blocks that became hashable just now
-                continue
-            if r.rank_failed:
-                if policy.tail_recovery:
-                    self._recover(seq)
-                else:
-                    self._abort(seq, "rank failure")
                 continue
             if policy.abort_on_nan and r.nan_count:
                 self._abort(seq, "NaN logits")
@@ -335,11 +345,45 @@ class Engine:
         seq.epoch += 1
         self.counters.aborts[reason] = self.counters.aborts.get(reason, 0) + 1
 
+    def _lose_steps(self, seqs: list[Seq]) -> None:
+        """A rank failed: the step's output never arrives, nor (async) the next one's.
+        Every request with a step in flight (``seqs``) rolls back to its validated
+        boundary under ``tail_recovery`` (kvguard, like ``recover()`` in vLLM) and is
+        aborted otherwise (vLLM's fault handler, PR #50283). What each approach
+        recomputes is read before any request is touched."""
+        counters = self.counters
+        counters.steps_lost += 1
+        costs = [(seq, self._recompute_cost(seq)) for seq in dict.fromkeys(seqs)]
+        for seq, cost in costs:
+            counters.requests_in_lost_steps += 1
+            counters.tokens_in_lost_steps += cost.rollback
+            counters.tokens_if_blocks_dropped += cost.drop_blocks
+            seq.tokens_if_blocks_dropped += cost.drop_blocks
+            if self.policy.tail_recovery:
+                self._recover(seq)
+            else:
+                self._abort(seq, "rank failure")
+
+    def _recompute_cost(self, seq: Seq) -> RecomputeCost:
+        """What the request recomputes if its steps in flight are lost now, by approach."""
+        pool = self.pool
+        progress = pool.progress(seq.request_id)
+        published = 0
+        for block_id in pool.block_table(seq.request_id):
+            if pool.block_state(block_id) not in MATCHABLE_STATES:
+                break
+            published += 1
+        written = progress.num_written_tokens
+        return recompute_after_lost_steps(
+            written, written - progress.num_validated_tokens, pool.block_size, published
+        )
+
     def _recover(self, seq: Seq) -> None:
         """Wipe the request's unvalidated tail and resume from its surviving KV."""
         wipe, written = self.device.zero_request_tail(seq.request_id)
         self.counters.bytes_zeroed += written
         self.counters.tail_slots_wiped += wipe.num_tokens_wiped
+        seq.tokens_rolled_back += wipe.num_tokens_wiped
         self._failed_writes.difference_update(s.block_id for s in wipe.slots)
         boundary = wipe.num_tokens
         # Tokens at positions <= boundary are prompt tokens or outputs of validated steps.
@@ -356,3 +400,10 @@ class Engine:
 
     def _forget_provenance(self, block_ids: tuple[int, ...]) -> None:
         self._failed_writes.difference_update(block_ids)
+
+
+def _live(result: ChunkResult) -> bool:
+    """The result's request still waits for it (not preempted, aborted or rolled back
+    since the step was scheduled)."""
+    seq = result.chunk.seq
+    return seq.epoch == result.chunk.epoch and seq.status is SeqStatus.RUNNING

@@ -17,6 +17,13 @@ class RequestOutcome:
     error: str | None
     recoveries: int
     preemptions: int
+    tokens_rolled_back: int
+    """Tokens its recoveries rolled back to its validated boundary and recomputed, at
+    every step it lost to a rank failure (0 when its policy aborts instead)."""
+    tokens_if_blocks_dropped: int
+    """What dropping the blocks those lost steps touched and preempting (vLLM PR
+    #50265), or aborting and resubmitting, would have recomputed at the same losses
+    (:func:`kvguard.recovery.recompute_after_lost_steps`)."""
 
 
 @dataclass(slots=True)
@@ -31,12 +38,27 @@ class RunCounters:
     bytes_zeroed: int = 0
     """Whole blocks zeroed on reuse plus token slots wiped by tail rollbacks (all layers)."""
     tail_slots_wiped: int = 0
+    """Token slots ``zero_request_tail`` wiped: the tokens recovery rolled back to a
+    validated boundary, recomputed (equal to ``tokens_in_lost_steps`` under a policy
+    that recovers, 0 under one that aborts)."""
     tier_entries_written: int = 0
     tier_entries_from_failed_steps: int = 0
     """Tier entries whose bytes a failed step wrote (or that hold non-finite KV)."""
     tier_acks_dropped: int = 0
     """Copies the pool refused at ``ack_store`` (block quarantined or reused meanwhile)."""
     blocks_audited: int = 0
+    steps_lost: int = 0
+    """Steps lost to a rank failure, as the policy saw them (``eager`` sees none): each
+    took every request with a step in flight with it (under async scheduling also the
+    requests of the next step, already run), rolled back or aborted by the policy."""
+    requests_in_lost_steps: int = 0
+    tokens_in_lost_steps: int = 0
+    """Tokens those requests' lost steps computed: what rolling them back to their
+    validated boundary recomputes (kvguard's rule, vLLM's ``recover()``)."""
+    tokens_if_blocks_dropped: int = 0
+    """Estimate for the same requests: dropping the blocks the lost steps touched and
+    preempting (vLLM PR #50265), or aborting and resubmitting, recomputes everything
+    but their published full blocks below the lost steps."""
     faults_fired: dict[str, int] = field(default_factory=dict)
     aborts: dict[str, int] = field(default_factory=dict)
     """Aborted requests by reason."""

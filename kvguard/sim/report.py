@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvguard.sim.config import FaultKind
+from kvguard.sim.metrics import RunCounters
 from kvguard.sim.runner import PolicySummary, SimulationReport
 
 COLUMNS: tuple[tuple[str, str], ...] = (
@@ -23,6 +24,16 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("tier_entries_from_failed_steps", "bad tier entries"),
     ("tokens_per_s", "tok/s"),
 )
+
+
+LOST_STEP_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("steps_lost", "lost steps"),
+    ("requests_in_lost_steps", "requests"),
+    ("tokens_in_lost_steps", "in flight"),
+    ("tail_slots_wiped", "rolled back"),
+    ("tokens_if_blocks_dropped", "drop blocks / resubmit"),
+)
+"""The rank-failure table: counters of :class:`~kvguard.sim.metrics.RunCounters`."""
 
 
 def _human_bytes(n: int) -> str:
@@ -51,7 +62,35 @@ def format_table(summaries: Sequence[PolicySummary]) -> str:
     """A fixed-width table, one row per policy."""
     rows = [[title for _, title in COLUMNS]]
     rows += [[_cell(s, key) for key, _ in COLUMNS] for s in summaries]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    return _fixed_width(rows)
+
+
+def format_lost_steps(summaries: Sequence[PolicySummary]) -> str:
+    """What the rank failures cost, one row per policy that saw a step lost (empty if
+    none did): tokens recomputed by its recovery, next to the approaches it is
+    compared with."""
+    rows = [["policy", *(title for _, title in LOST_STEP_COLUMNS)]]
+    for s in summaries:
+        counters: RunCounters = s.result.counters
+        if counters.steps_lost:
+            rows.append([s.policy, *(str(getattr(counters, k)) for k, _ in LOST_STEP_COLUMNS)])
+    if len(rows) == 1:
+        return ""
+    legend = (
+        "rank failures: each loses its step for every request with one in flight, as in a "
+        "real engine (eager does not notice);\nin flight: tokens the lost steps computed, "
+        "what rolling back to the validated boundary recomputes;\nrolled back: tokens the "
+        "policy's recovery rolled back and recomputed (zero_request_tail; 0: it aborts);\n"
+        "drop blocks / resubmit: what dropping the touched blocks and preempting (vLLM PR "
+        "#50265), or aborting and resubmitting, recomputes (published full blocks kept)"
+    )
+    return f"{_fixed_width(rows)}\n\n{legend}"
+
+
+def _fixed_width(rows: list[list[str]]) -> str:
+    """Rows of cells, the first one the header: left-aligned first column, the others
+    right-aligned, a rule under the header."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = []
     for n, row in enumerate(rows):
         cells = [row[0].ljust(widths[0])] + [
@@ -79,7 +118,9 @@ def format_report(report: SimulationReport) -> str:
         "output;\nbad tier entries: CPU-tier copies written by failed steps / all written; "
         f"faults fired per policy: {faulted}"
     )
-    return f"{head}\n\n{format_table(report.main)}\n\n{legend}"
+    lost = format_lost_steps(report.main)
+    out = f"{head}\n\n{format_table(report.main)}\n\n{legend}"
+    return f"{out}\n\n{lost}" if lost else out
 
 
 def _summary_json(s: PolicySummary) -> dict[str, Any]:

@@ -40,6 +40,10 @@ class Seq:
     error: str | None = None
     recoveries: int = 0
     preemptions: int = 0
+    tokens_rolled_back: int = 0
+    """Tokens of lost steps its recoveries rolled back (recomputed)."""
+    tokens_if_blocks_dropped: int = 0
+    """What the approaches that drop blocks would have recomputed at those losses."""
 
     @property
     def request_id(self) -> str:

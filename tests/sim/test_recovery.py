@@ -1,5 +1,6 @@
-"""Rank failures: kvguard rolls the request back with zero_request_tail and resumes it
-from its surviving KV; the output equals the fault-free reference."""
+"""Rank failures: each loses its whole step; kvguard rolls every request of it back with
+zero_request_tail and resumes them from their surviving KV (outputs equal the
+fault-free reference), defer-zero-all aborts them."""
 
 from __future__ import annotations
 
@@ -24,7 +25,13 @@ def test_rank_failures_recover_to_the_reference(async_scheduling: bool) -> None:
     assert all(o.finished and o.output == reference[o.request_id] for o in recovered)
     assert s.aborted == 0 and s.escapes == 0 and s.faulted_silent == 0
     assert s.recovered == s.faulted
-    assert result.counters.tail_slots_wiped > 0
+    c = result.counters
+    assert c.tail_slots_wiped == c.tokens_in_lost_steps > 0
+    assert c.requests_in_lost_steps == sum(o.recoveries for o in result.outcomes.values())
+    assert c.requests_in_lost_steps > c.steps_lost  # a step holds more than its faulted request
+    # Dropping the touched blocks (vLLM PR #50265) or resubmitting recomputes more.
+    assert c.tokens_if_blocks_dropped > c.tokens_in_lost_steps
+    assert c.tail_slots_wiped == sum(o.tokens_rolled_back for o in result.outcomes.values())
 
 
 def test_without_the_tail_primitive_rank_failures_abort() -> None:
@@ -42,3 +49,8 @@ def test_without_the_tail_primitive_rank_failures_abort() -> None:
     assert s.aborted >= s.faulted - sum(
         1 for o in result.outcomes.values() if o.fault and o.preemptions
     )
+    # A lost step takes the other requests in flight with it.
+    assert s.aborted_unfaulted >= 1
+    c = result.counters
+    assert c.aborts["rank failure"] == c.requests_in_lost_steps
+    assert c.tail_slots_wiped == 0 and c.tokens_in_lost_steps > 0
