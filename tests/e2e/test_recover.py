@@ -67,22 +67,15 @@ def _recompute_elsewhere(llm: Any) -> dict[str, int]:
     #50265 (vLLM) drops the blocks the lost step touched and preempts, and abort and
     resubmit starts the request over: either way a request keeps only its published
     full blocks below the lost step's first block (its prefix hits), and recomputes every
-    other token it had computed. (kvguard keeps everything below the boundary.)"""
+    other token it had computed (kvguard.recovery.recompute_after_lost_steps, the rule
+    ``kvguard simulate`` applies too; kvguard keeps everything below the boundary)."""
+    from tests.vllm.recompute import recompute_costs
+
     sched = llm.llm_engine.engine_core.engine_core.scheduler
-    core = sched.kvguard_pool.core
-    ledger = sched._kvguard_ledger
-    out = {}
-    for req_id, request in sched.requests.items():
-        computed = request.num_computed_tokens
-        boundary = computed - ledger.tokens_in_flight(req_id)
-        (blocks,) = sched.kv_cache_manager.get_block_ids(req_id)
-        kept = 0
-        for block_id in blocks[: boundary // BLOCK]:
-            if core.block_state(block_id).name not in ("PUBLISHED", "OFFLOADED"):
-                break
-            kept += BLOCK
-        out[req_id.rsplit("-", 1)[0]] = computed - kept
-    return out
+    return {
+        req_id.rsplit("-", 1)[0]: cost.drop_blocks
+        for req_id, cost in recompute_costs(sched).items()
+    }
 
 
 def _run(

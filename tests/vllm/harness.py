@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -75,7 +76,14 @@ _MODEL_DIR = tempfile.mkdtemp(prefix="kvguard-vllm-model-")
 with open(os.path.join(_MODEL_DIR, "config.json"), "w") as f:
     json.dump({"architectures": ["OPTForCausalLM"], "model_type": "opt"}, f)
 init_none_hash(sha256)
-_HASHER = get_request_block_hasher(BLOCK, sha256)
+
+
+@functools.cache
+def _hasher(block_size: int) -> Any:
+    return get_request_block_hasher(block_size, sha256)
+
+
+_HASHER = _hasher(BLOCK)
 
 
 def make_vllm_config(
@@ -89,6 +97,7 @@ def make_vllm_config(
     speculative_config: Any = None,
     prefix_caching: bool = True,
     runner: str = "generate",
+    block_size: int = BLOCK,
 ) -> VllmConfig:
     sched_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -105,7 +114,7 @@ def make_vllm_config(
         seed=42,
         **({"runner": "pooling", "convert": "embed"} if runner == "pooling" else {}),
     )
-    cache_config = CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching)
+    cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching)
     cache_config.num_gpu_blocks = num_blocks
     additional = {"kvguard": dict(kvguard or {"check_invariants": True})}
     return VllmConfig(
@@ -132,13 +141,15 @@ def make_scheduler(
     groups: Sequence[str] = ("full",),
     window: int = 3 * BLOCK,
     runner: str = "generate",
+    block_size: int = BLOCK,
 ) -> Any:
     """A real scheduler; ``groups`` names its KV cache groups' kinds in order:
     ``"full"`` (full attention), ``"sliding"`` (a ``window``-token sliding window),
     ``"chunked"`` (``window``-token chunked local attention), ``"rswa"`` (R-SWA: the
     prompt and the last ``window`` generated tokens) or ``"ring"`` (a circular buffer:
     one block per request, reused in place). ``runner="pooling"``: an embedding model
-    (vLLM's pooling runner), whose outputs carry no NaN counts."""
+    (vLLM's pooling runner), whose outputs carry no NaN counts. ``block_size``: other
+    than ``BLOCK``, give :func:`make_request` the same."""
     vllm_config = make_vllm_config(
         async_scheduling=async_scheduling,
         num_blocks=num_blocks,
@@ -149,12 +160,13 @@ def make_scheduler(
         speculative_config=speculative_config,
         prefix_caching=prefix_caching,
         runner=runner,
+        block_size=block_size,
     )
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
         kv_cache_groups=[
-            KVCacheGroupSpec([f"layer{i}"], _kv_cache_spec(kind, window))
+            KVCacheGroupSpec([f"layer{i}"], _kv_cache_spec(kind, window, block_size))
             for i, kind in enumerate(groups)
         ],
     )
@@ -166,14 +178,14 @@ def make_scheduler(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=BLOCK,
+        block_size=block_size,
         log_stats=True,
     )
 
 
-def _kv_cache_spec(kind: str, window: int) -> Any:
+def _kv_cache_spec(kind: str, window: int, block_size: int) -> Any:
     shape: dict[str, Any] = {
-        "block_size": BLOCK,
+        "block_size": block_size,
         "num_kv_heads": 1,
         "head_size": 1,
         "dtype": torch.float32,
@@ -203,13 +215,15 @@ def ngram_speculation(num_tokens: int, *, async_scheduling: bool) -> Speculative
     )
 
 
-def make_request(request_id: str, prompt: list[int], max_tokens: int = 4) -> Request:
+def make_request(
+    request_id: str, prompt: list[int], max_tokens: int = 4, *, block_size: int = BLOCK
+) -> Request:
     return Request(
         request_id=request_id,
         prompt_token_ids=prompt,
         sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
         pooling_params=None,
-        block_hasher=_HASHER,
+        block_hasher=_hasher(block_size),
     )
 
 

@@ -249,3 +249,41 @@ def test_a_request_whose_blocks_cannot_roll_back_ends_and_the_rest_resume(
         "its KV cannot be rolled back (block seen by others)"
     )
     assert set(s.requests) == {"b"}
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_the_simulator_loses_and_recomputes_what_recover_does(async_scheduling: bool) -> None:
+    """The real-engine trace of tests/e2e/test_recover.py (32-token blocks, 64 tokens a
+    step; b decodes its token 40 while a prefills its tokens 24..86, and that step is
+    lost), at scheduler level: what ``recover()`` rolls back, and what dropping the
+    touched blocks and preempting (PR #50265) or resubmitting would recompute, equal
+    what ``kvguard simulate``'s rank fault gives on the same trace, request by
+    request. Async: the next step, in flight, is lost too."""
+    from ..sim.lost_step import CHUNK, EXPECTED, MAX_TOKENS, prompts, recompute, run_trace
+    from .recompute import recompute_costs
+
+    size = 32
+    s = make_scheduler(
+        async_scheduling=async_scheduling, block_size=size, max_num_batched_tokens=CHUNK
+    )
+    for req_id, prompt in prompts().items():
+        s.add_request(make_request(req_id, list(prompt), MAX_TOKENS, block_size=size))
+    first = s.schedule()
+    assert first.num_scheduled_tokens == {"b": 40, "a": 24}
+    if async_scheduling:
+        lost = s.schedule()
+        s.update_from_output(first, model_output(s, first))
+        assert s.schedule().num_scheduled_tokens == {"b": 1, "a": 63}  # lost too
+    else:
+        s.update_from_output(first, model_output(s, first))
+        lost = s.schedule()
+    assert lost.num_scheduled_tokens == {"b": 1, "a": 63}  # a's 24..86, b's 40
+    costs = recompute_costs(s)
+    report = s.recover()
+    assert all(costs[r.request_id].rollback == r.rolled_back for r in report.resumed)
+    in_vllm = {
+        r.request_id: (r.rolled_back, costs[r.request_id].drop_blocks) for r in report.resumed
+    }
+    in_sim = recompute(run_trace("kvguard", async_scheduling=async_scheduling))
+    assert in_vllm == in_sim == EXPECTED[async_scheduling]
+    assert s.kvguard_stats()["tokens_rolled_back"] == sum(r for r, _ in in_vllm.values())
