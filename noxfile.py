@@ -41,10 +41,12 @@ def mypy(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Benchmarks: kvguard's pool against vLLM 0.33's (when installed), kernels."""
+    """Benchmarks: kvguard's pool against vLLM 0.33's (when installed), kernels, block
+    zeroing against vLLM's."""
     _install_dev(session)
     session.run("python", "benchmarks/pool_ops.py", *session.posargs)
     session.run("python", "benchmarks/kernels.py")
+    session.run("python", "benchmarks/block_zeroing.py")
 
 
 @nox.session
