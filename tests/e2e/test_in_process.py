@@ -234,8 +234,9 @@ def test_the_log_says_the_guard_is_in_force_and_names_each_aborted_request(
     assert start.levelno == logging.INFO
     assert start.getMessage().startswith("kvguard: guard in force (vLLM 0.32.")
     assert start.getMessage().endswith(
-        "GuardedScheduler): workers checked: 1 OK; zero policy: suspect; prefix "
-        "caching: on; connectors gated: none; KV cache groups guarded: 1 (FullAttentionSpec)"
+        "GuardedScheduler): workers checked: 1 OK; zero policy: suspect (block zeroing: "
+        "vLLM's CPUModelRunner._zero_block_ids); KV audit: off; prefix caching: on; "
+        "connectors gated: none; KV cache groups guarded: 1 (FullAttentionSpec)"
     )
 
     a = with_token(tokens(40, 150), 90, trigger(0))  # NaN from position 90: chunk 2

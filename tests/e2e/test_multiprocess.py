@@ -203,8 +203,9 @@ CORE_PREFIX = re.compile(r"^\(EngineCore\S* pid=\d+\) INFO ")
 START_UP = re.compile(
     r"^\((?P<process>EngineCore\S*) pid=(?P<pid>\d+)\) INFO .* kvguard: guard in force "
     r"\(vLLM (?P<version>\S+), series (?P<series>\S+), GuardedScheduler\): workers "
-    r"checked: 1 OK; zero policy: suspect; prefix caching: on; connectors gated: none; "
-    r"KV cache groups guarded: 1 \(FullAttentionSpec\)$"
+    r"checked: 1 OK; zero policy: suspect \(block zeroing: vLLM's "
+    r"CPUModelRunner\._zero_block_ids\); KV audit: off; prefix caching: on; connectors "
+    r"gated: none; KV cache groups guarded: 1 \(FullAttentionSpec\)$"
 )
 """kvguard's start-up line, as the engine core logs it (vLLM's prefix, then the text)."""
 ABORT = re.compile(

@@ -246,8 +246,9 @@ def test_the_guarded_engine_logs_one_start_up_line_and_stock_none(
     (line,) = servers["guarded"].log_lines("kvguard: guard in force")
     assert re.search(
         r"^\(EngineCore\S* pid=\d+\) INFO .* kvguard: guard in force \(vLLM 0\.32\.\S+, "
-        r"series 0\.32, GuardedScheduler\): workers checked: 1 OK; zero policy: suspect; "
-        r"prefix caching: on; connectors gated: none; KV cache groups guarded: 1 "
+        r"series 0\.32, GuardedScheduler\): workers checked: 1 OK; zero policy: suspect "
+        r"\(block zeroing: vLLM's CPUModelRunner\._zero_block_ids\); KV audit: off; prefix "
+        r"caching: on; connectors gated: none; KV cache groups guarded: 1 "
         r"\(FullAttentionSpec\)$",
         line,
     ), line

@@ -46,7 +46,13 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from kvguard.adapters.vllm import metrics, worker_audit, worker_nans, worker_slots
+from kvguard.adapters.vllm import (
+    metrics,
+    worker_audit,
+    worker_nans,
+    worker_slots,
+    worker_zeroing,
+)
 from kvguard.adapters.vllm._compat import (
     has_v1_model_runner,
     require_supported_vllm,
@@ -114,6 +120,7 @@ def activate(*, by_config: bool = False) -> None:
     worker_nans.install()
     worker_slots.install()
     worker_audit.install()
+    worker_zeroing.install()
     _active = True
     _by_config = _by_config or by_config
 
@@ -170,7 +177,7 @@ REPORT = "kvguard_report"
 """The method the engine core calls on every worker (``collective_rpc``) at start-up."""
 
 
-def _worker_report(wrapper: Any) -> dict[str, bool]:
+def _worker_report(wrapper: Any) -> dict[str, bool | str]:
     """What a worker says about the guard in its process (after its KV cache was set up)."""
     import vllm.envs as envs
 
@@ -184,12 +191,14 @@ def _worker_report(wrapper: Any) -> dict[str, bool]:
         and bool(kv_cache_config.needs_kv_cache_zeroing)
         and worker_zeroes_blocks(runner),
         "audit": runner is not None and worker_audit.runner_audits(runner),
+        "zeroing": worker_zeroing.zeroing_in_use(runner),
     }
 
 
-_checked: tuple[int, int] | None = None
-"""(``id`` of the vLLM config, workers) of the last :func:`check_workers` that passed
-in this process: the engine core checks its workers before it builds its scheduler."""
+_checked: tuple[int, int, str] | None = None
+"""(``id`` of the vLLM config, workers, their block zeroing) of the last
+:func:`check_workers` that passed in this process: the engine core checks its workers
+before it builds its scheduler."""
 
 
 def workers_checked(vllm_config: Any) -> int | None:
@@ -199,6 +208,14 @@ def workers_checked(vllm_config: Any) -> int | None:
     if _checked is None or _checked[0] != id(vllm_config):
         return None
     return _checked[1]
+
+
+def workers_zeroing(vllm_config: Any) -> str | None:
+    """What zeroes blocks in the workers :func:`check_workers` found (see
+    :mod:`.worker_zeroing`); None when it did not check them."""
+    if _checked is None or _checked[0] != id(vllm_config):
+        return None
+    return _checked[2]
 
 
 _MISSING = {
@@ -250,7 +267,8 @@ def check_workers(collective_rpc: Any, vllm_config: Any) -> None:
             + "; ".join(problems)
             + ". The engine does not start half-guarded."
         )
-    _checked = (id(vllm_config), len(reports))
+    zeroing = sorted({str(report.get("zeroing", "unknown")) for report in reports})
+    _checked = (id(vllm_config), len(reports), ", ".join(zeroing))
 
 
 def worker_zeroes_blocks(runner: Any) -> bool:

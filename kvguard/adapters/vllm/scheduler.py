@@ -76,6 +76,7 @@ from .plugin import (  # noqa: E402
     stock_needs_zeroing,
     worker_counts_per_request,
     workers_checked,
+    workers_zeroing,
 )
 from .recovery import (  # noqa: E402
     RecoveryReport,
@@ -239,8 +240,8 @@ class _GuardMixin:
         groups = [type(m.kv_cache_spec).__name__ for m in managers]
         logger.info(
             "kvguard: guard in force (vLLM %s, series %s, %s): workers checked: %s; "
-            "zero policy: %s; KV audit: %s; prefix caching: %s; connectors gated: %s%s; "
-            "KV cache groups guarded: %d (%s)",
+            "zero policy: %s (block zeroing: %s); KV audit: %s; prefix caching: %s; "
+            "connectors gated: %s%s; KV cache groups guarded: %d (%s)",
             vllm.__version__,
             series_of(vllm.__version__),
             type(self).__name__,
@@ -248,6 +249,7 @@ class _GuardMixin:
             if checked is None
             else f"{checked} OK",
             self.kvguard_pool.guard.zero_policy.value,
+            workers_zeroing(self.vllm_config) or "not checked",
             "on" if self._kvguard_audit else "off",
             "on" if self.kv_cache_manager.enable_caching else "off",
             ", ".join(gated) or "none",

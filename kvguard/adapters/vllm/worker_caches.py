@@ -79,22 +79,30 @@ def block_layouts(runner: Any) -> list[Any]:
     per geometry (one launch each); cached on the runner."""
     layouts = getattr(runner, "_kvguard_block_layouts", None)
     if layouts is None:
-        num_blocks = runner.kv_cache_config.num_blocks
-        grouped: dict[tuple[Any, ...], list[Any]] = {}
+        caches = []
         for layer, backend, cache in attention_caches(runner):
             if backend in WHOLE_BLOCKS_ONLY:
-                # Block dim first, contiguous: one run of bytes per block.
-                view = cache.view(cache.shape[0], -1, cache.shape[-1])
-                kind = "MLA"
-                block_dim = 0
+                caches.append((layer, "", cache))
             else:
-                kind = _kind(layer, backend, "audit")
-                view = cache
-                block_dim = 1 if kind == "FLASH_ATTN" else 0
-            view = _in_scheduler_blocks(layer, view, block_dim, num_blocks)
-            grouped.setdefault(_key(kind, view), []).append(view)
-        layouts = runner._kvguard_block_layouts = _layouts(grouped)
+                caches.append((layer, _kind(layer, backend, "audit"), cache))
+        num_blocks = runner.kv_cache_config.num_blocks
+        layouts = runner._kvguard_block_layouts = whole_block_layouts(caches, num_blocks)
     return layouts
+
+
+def whole_block_layouts(caches: Any, num_blocks: int) -> list[Any]:
+    """``(layer, kind, cache)`` as whole scheduler blocks, one layout per geometry. An
+    empty ``kind``: a cache with the block dim first and a block's bytes contiguous,
+    whatever their order inside it (seen as ``[blocks, -1, last dim]``)."""
+    grouped: dict[tuple[Any, ...], list[Any]] = {}
+    for layer, kind, cache in caches:
+        if not kind:
+            kind, view, block_dim = "MLA", cache.view(cache.shape[0], -1, cache.shape[-1]), 0
+        else:
+            view, block_dim = cache, 1 if kind == "FLASH_ATTN" else 0
+        view = _in_scheduler_blocks(layer, view, block_dim, num_blocks)
+        grouped.setdefault(_key(kind, view), []).append(view)
+    return _layouts(grouped)
 
 
 def _kind(layer: str, backend: str, what: str) -> str:

