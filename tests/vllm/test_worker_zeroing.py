@@ -102,5 +102,5 @@ def test_the_audit_is_asked_of_every_worker_only_when_it_is_on(
     monkeypatch.setattr(plugin, "_checked", None)
     report = {**dict.fromkeys(plugin._MISSING, True), "audit": False}
     plugin.check_workers(lambda method: [report], make_vllm_config())
-    with pytest.raises(GuardConfigError, match="worker 0: its model runner cannot run the KV audit"):
+    with pytest.raises(GuardConfigError, match="worker 0: its model runner cannot run the KV"):
         plugin.check_workers(lambda method: [report], make_vllm_config(kvguard={"audit": True}))
