@@ -147,7 +147,7 @@ def test_v1_adds_the_findings_to_the_counts_it_reads_back(monkeypatch: pytest.Mo
         "rest",
     )
     clean = patched(runner, SimpleNamespace(kvguard_blocks_to_audit={"a": [1]}))
-    assert clean == ({"a": 0, "b": 2}, None, "rest") and type(clean[0]) is dict
+    assert clean == ({"a": 0, "b": 2}, None, "rest") and clean[0].kv_audit == {}
     assert patched(runner, SimpleNamespace()) == ({"a": 0, "b": 2}, None, "rest")
 
 
@@ -252,3 +252,19 @@ def test_a_step_whose_filled_kv_is_not_finite_fails_as_for_nan_logits(
     assert (
         "had NaN or infinite KV in 1 block(s) it filled (KV audit); its logits were finite" in line
     )
+
+
+def test_counts_summed_on_the_device_fail_the_step_and_say_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Async V1 and V2 add the audit's findings to the counts on the device: the step
+    still fails, and the log says the count is NaN logits or non-finite KV."""
+    s = _audited()
+    s.add_request(make_request("a", list(range(100, 100 + BLOCK)), max_tokens=2))
+    so = s.schedule()
+    with caplog.at_level(logging.WARNING, logger="vllm.kvguard"):
+        reasons = finish_reasons(s.update_from_output(so, model_output(s, so, {"a": 1})))
+    assert reasons == {"a": "error"}
+    assert s.kvguard_stats()["requests_failed_audit"] == 0  # not told apart
+    (line,) = [r.getMessage() for r in caplog.records if "aborted request" in r.getMessage()]
+    assert "had 1 NaN logit(s) or non-finite KV block(s) (KV audit);" in line

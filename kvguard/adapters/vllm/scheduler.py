@@ -95,7 +95,6 @@ WARNING and above only, bare.)"""
 
 NAN_SETTING = "VLLM_COMPUTE_NANS_IN_LOGITS"
 _NONE: frozenset[str] = frozenset()
-_NO_AUDIT: Mapping[str, int] = {}
 
 
 def is_pooling_model(vllm_config: Any) -> bool:
@@ -598,9 +597,10 @@ class _GuardMixin:
             # unvalidated blocks (the partial tail) are quarantined on release.
             aborted = self._kvguard_finish_failing(failed)
             metrics.requests_aborted += len(aborted)
-            kv_audit = getattr(nans, "kv_audit", _NO_AUDIT)
-            metrics.requests_failed_audit += sum(1 for r in failed if r in kv_audit)
-            self._kvguard_log_aborts(aborted, failed, spans, kv_audit)
+            kv_audit = getattr(nans, "kv_audit", None)
+            if kv_audit:
+                metrics.requests_failed_audit += sum(1 for r in failed if r in kv_audit)
+            self._kvguard_log_aborts(aborted, failed, spans, kv_audit, fills)
         # The blocks vLLM caches while it processes the output are validated with it
         # when every write into them reported clean (the ledger's ``settles``: before
         # any block is freed, and here), else carried to the request's next step.
@@ -656,9 +656,12 @@ class _GuardMixin:
         aborted: list[Any],
         failed: dict[str, int],
         spans: dict[str, tuple[int, int]],
-        kv_audit: Mapping[str, int],
+        kv_audit: Mapping[str, int] | None,
+        fills: Mapping[str, list[int]],
     ) -> None:
-        """One WARNING per request the guard finished with an error, with its cause."""
+        """One WARNING per request the guard finished with an error, with its cause:
+        ``kv_audit`` is what the worker says the KV audit flagged (None where its counts
+        do not tell it apart from NaN logits); ``fills``, the blocks the step filled."""
         for request in aborted:
             req_id = request.request_id
             start, end = spans[req_id]
@@ -672,21 +675,29 @@ class _GuardMixin:
                 end - 1,
                 request.num_prompt_tokens,
                 request.num_output_tokens,
-                self._kvguard_cause(failed[req_id], kv_audit.get(req_id, 0)),
+                self._kvguard_cause(req_id, failed[req_id], kv_audit, fills),
             )
 
-    def _kvguard_cause(self, count: int, flagged_blocks: int) -> str:
-        """What made a step fail, from its count (NaN logits plus the blocks the KV
-        audit flagged) and the blocks the worker says the audit flagged."""
-        if flagged_blocks:
-            nan_logits = count - flagged_blocks
-            return f"NaN or infinite KV in {flagged_blocks} block(s) it filled (KV audit)" + (
-                f" and {nan_logits} NaN logit(s)" if nan_logits else "; its logits were finite"
-            )
-        if self._kvguard_audit and self.vllm_config.scheduler_config.async_scheduling:
-            # The counts came from the device: logits and audit are not told apart.
+    def _kvguard_cause(
+        self,
+        req_id: str,
+        count: int,
+        kv_audit: Mapping[str, int] | None,
+        fills: Mapping[str, list[int]],
+    ) -> str:
+        """What made the request's step fail, from its count (NaN logits plus, with the
+        KV audit, the blocks it flagged)."""
+        if not (self._kvguard_audit and fills.get(req_id)):
+            return f"{count} NaN logit(s)"  # no block of it was audited
+        if kv_audit is None:  # the worker summed them on the device
             return f"{count} NaN logit(s) or non-finite KV block(s) (KV audit)"
-        return f"{count} NaN logit(s)"
+        flagged = kv_audit.get(req_id, 0)
+        if not flagged:
+            return f"{count} NaN logit(s)"
+        nan_logits = count - flagged
+        return f"NaN or infinite KV in {flagged} block(s) it filled (KV audit)" + (
+            f" and {nan_logits} NaN logit(s)" if nan_logits else "; its logits were finite"
+        )
 
     def _kvguard_resync(self, scheduler_output: Any) -> StepRecord:
         """The record of an output that is not the oldest step in flight.

@@ -14,10 +14,11 @@ quarantined) through the one path the scheduler already has:
 
 * **V1** (``vllm.v1.worker.gpu_model_runner``: 0.32, 0.33, vLLM's CPU build): in
   ``_bookkeeping_sync``, which takes the counts. Synchronous scheduling reads them
-  back there already: the counts come back as :class:`AuditedCounts`, which also say
-  how many blocks of each request the audit flagged (the scheduler's log names the
-  cause). Asynchronous scheduling keeps the counts on the device: the flags are added
-  there (no host synchronisation; the log then says "NaN logits or KV").
+  back there already: the counts of a step with blocks to audit come back as
+  :class:`AuditedCounts`, which also say how many blocks of each request the audit
+  flagged (the scheduler's log names the cause). Asynchronous scheduling keeps the
+  counts on the device: the flags are added there (no host synchronisation; the log
+  then says "NaN logits or KV").
 * **V2** (``vllm.v1.worker.gpu.model_runner``): ``update_requests`` keeps the step's
   blocks, ``sample`` adds the flags to the sampler's per-request counts on the device.
 
@@ -115,7 +116,7 @@ def _patch_v1(module: ModuleType) -> None:
             add_to_device_counts(device_counts, [index[r] for r in audited], flagged[keep])
             return (counts, device_counts, *rest)
         found = {r: n for r, n in zip(blocks, flagged.tolist(), strict=True) if n}
-        return (AuditedCounts(counts, found) if found else counts, device_counts, *rest)
+        return (AuditedCounts(counts, found), device_counts, *rest)
 
     runner._bookkeeping_sync = mark_wrapper(_bookkeeping_sync, stock, _MARK)
 
