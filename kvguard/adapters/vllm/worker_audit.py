@@ -84,6 +84,9 @@ def audit_requests(runner: Any, blocks: Mapping[str, Sequence[int]]) -> Any:
         flags = found if flags is None else flags | found
     if flags is None:  # no attention cache: nothing to audit
         return torch.zeros(len(blocks), dtype=torch.int32)
+    if flags.device.type == "cpu" and not bool(flags.any()):
+        # (A clean step on CPU, where reading the flags costs nothing: no sums.)
+        return torch.zeros(len(blocks), dtype=torch.int32)
     per_block = flags.to(torch.int32)
     return sum_rows_per_request(per_block, torch.tensor(cu, device=per_block.device))
 
