@@ -40,23 +40,28 @@ def undo_plugin_patches_after(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def undo_runner_patches_after(monkeypatch: pytest.MonkeyPatch) -> None:
     """The model runners' patches -- per-request NaN counting (``worker_nans``), the
-    slot wipe (``worker_slots``) and the KV audit (``worker_audit``) -- are put back
-    when ``monkeypatch`` undoes its changes: V2's runner, and V1's where the series has
-    one."""
+    slot wipe (``worker_slots``), the KV audit (``worker_audit``) and the block zeroing
+    (``worker_zeroing``) -- are put back when ``monkeypatch`` undoes its changes: V2's
+    runner, 0.34's CPU runner and zeroer, and V1's runner where the series has one."""
     import sys
 
     import vllm.v1.worker.gpu.model_runner as v2_runner
 
-    from kvguard.adapters.vllm import worker_audit, worker_nans, worker_slots
+    from kvguard.adapters.vllm import worker_audit, worker_nans, worker_slots, worker_zeroing
     from kvguard.adapters.vllm._compat import has_v1_model_runner
 
-    monkeypatch.setattr(worker_nans, "_installed", False)
-    monkeypatch.setattr(worker_slots, "_installed", False)
-    monkeypatch.setattr(worker_audit, "_installed", False)
+    monkeypatch.setattr(worker_nans.PATCHES, "applied", False)
+    monkeypatch.setattr(worker_slots.PATCHES, "applied", False)
+    monkeypatch.setattr(worker_audit.PATCHES, "applied", False)
+    monkeypatch.setattr(worker_zeroing.PATCHES, "applied", False)
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
     v2 = v2_runner.GPUModelRunner
     monkeypatch.setattr(v2, "sample", v2.sample)
     monkeypatch.setattr(v2, "update_requests", v2.update_requests)
+    zeroer = sys.modules.get(worker_zeroing.CPU_ZEROER_MODULE)  # (0.34's CPU zeroer)
+    if zeroer is not None:
+        cpu_zeroer = zeroer.CPUKVBlockZeroer
+        monkeypatch.setattr(cpu_zeroer, "zero_block_ids", cpu_zeroer.zero_block_ids)
     cpu = sys.modules.get(worker_slots.CPU_RUNNER)  # (0.34's x86 CPU runner)
     if cpu is not None:
         cpu_runner = cpu.StandaloneCPUModelRunner

@@ -118,7 +118,7 @@ def test_guard_takes_drafts_only_when_workers_count_per_request(
 ) -> None:
     from kvguard.adapters.vllm import worker_nans
 
-    monkeypatch.setattr(worker_nans, "_installed", False)
+    monkeypatch.setattr(worker_nans.PATCHES, "applied", False)
     monkeypatch.delenv("KVGUARD_GUARD", raising=False)
     with pytest.raises(GuardModeUnsupported, match="KVGUARD_GUARD=1"):
         scheduler()

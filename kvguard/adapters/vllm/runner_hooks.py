@@ -1,7 +1,9 @@
 """Patching vLLM's model runner modules from kvguard's plugin: at once for a module
 already imported, else right after it is first executed (a post-import hook) -- workers
-import their runner after vLLM loaded the plugins. The NaN counting
-(:mod:`.worker_nans`) and the slot wipe (:mod:`.worker_slots`) patch the same modules.
+import their runner after vLLM loaded the plugins. Each concern's patches are one
+:class:`RunnerPatches` (the NaN counting, the slot wipe, the KV audit, the block
+zeroing: :mod:`.worker_nans`, :mod:`.worker_slots`, :mod:`.worker_audit`,
+:mod:`.worker_zeroing`); several patch the same modules and methods, and compose.
 """
 
 from __future__ import annotations
@@ -12,6 +14,21 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
+
+
+class RunnerPatches:
+    """One concern's patches of vLLM modules (module name -> patch), and whether they
+    were installed in this process (the plugin's start-up checks ask)."""
+
+    def __init__(self, patches: Mapping[str, Callable[[ModuleType], None]]) -> None:
+        self.patches = patches
+        self.applied = False
+
+    def install(self) -> None:
+        """Apply the patches: at once to a module already imported, else when it is.
+        Idempotent."""
+        patch_runners(self.patches)
+        self.applied = True
 
 
 def patch_runners(patches: Mapping[str, Callable[[ModuleType], None]]) -> None:

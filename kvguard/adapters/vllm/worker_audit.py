@@ -28,11 +28,11 @@ blocks, is :func:`~kvguard.adapters.vllm.worker_caches.block_layouts`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
-from .runner_hooks import mark_wrapper, patch_runners
+from .runner_hooks import RunnerPatches, mark_wrapper
 from .worker_caches import block_layouts
 from .worker_nans import V1_RUNNER, V2_RUNNER
 
@@ -40,7 +40,6 @@ AUDIT_FIELD = "kvguard_blocks_to_audit"
 """The ``SchedulerOutput`` attribute with the blocks to audit (request id -> block ids)."""
 
 _MARK = "_kvguard_audits_kv"
-_installed = False
 
 
 class AuditedCounts(dict[str, int]):
@@ -151,20 +150,18 @@ def _patch_v2(module: ModuleType) -> None:
     runner.sample = mark_wrapper(sample, stock_sample, _MARK)
 
 
-_PATCHES: dict[str, Callable[[ModuleType], None]] = {V1_RUNNER: _patch_v1, V2_RUNNER: _patch_v2}
+PATCHES = RunnerPatches({V1_RUNNER: _patch_v1, V2_RUNNER: _patch_v2})
 
 
 def install() -> None:
     """Make vLLM's model runners audit ``kvguard_blocks_to_audit`` (see the module
     doc): at once for a runner module already imported, else when it is. Idempotent."""
-    patch_runners(_PATCHES)
-    global _installed
-    _installed = True
+    PATCHES.install()
 
 
 def installed() -> bool:
     """Whether :func:`install` ran in this process."""
-    return _installed
+    return PATCHES.applied
 
 
 def runner_audits(runner: Any) -> bool:

@@ -44,17 +44,16 @@ loading plugins), or at once if it already was. Idempotent.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
-from .runner_hooks import mark_wrapper, patch_runners
+from .runner_hooks import RunnerPatches, mark_wrapper
 
 V1_RUNNER = "vllm.v1.worker.gpu_model_runner"
 V2_RUNNER = "vllm.v1.worker.gpu.model_runner"
 _MARK = "_kvguard_per_request_nans"
 
-_installed = False
 
 # The row layout of the step V1 is booking (None outside _bookkeeping_sync, or for a
 # step without drafts). Per thread: a runner books one step at a time.
@@ -63,14 +62,12 @@ _booking = threading.local()
 
 def install() -> None:
     """Make vLLM's model runners count NaN logits per request (see the module doc)."""
-    patch_runners(_PATCHES)
-    global _installed
-    _installed = True
+    PATCHES.install()
 
 
 def installed() -> bool:
     """Whether :func:`install` ran in this process."""
-    return _installed
+    return PATCHES.applied
 
 
 def v1_row_layout(
@@ -181,4 +178,4 @@ def _mark(patched: Any, stock: Any) -> None:
     mark_wrapper(patched, stock, _MARK)
 
 
-_PATCHES: dict[str, Callable[[ModuleType], None]] = {V1_RUNNER: _patch_v1, V2_RUNNER: _patch_v2}
+PATCHES = RunnerPatches({V1_RUNNER: _patch_v1, V2_RUNNER: _patch_v2})

@@ -24,7 +24,7 @@ from typing import Any
 
 from kvguard.results import SlotRange
 
-from .runner_hooks import mark_wrapper, patch_runners
+from .runner_hooks import RunnerPatches, mark_wrapper
 from .worker_caches import slot_layouts
 from .worker_nans import V1_RUNNER, V2_RUNNER
 
@@ -32,7 +32,6 @@ SLOTS_FIELD = "kvguard_slots_to_zero"
 """The ``SchedulerOutput`` attribute the guarded scheduler puts the slots in."""
 
 _MARK = "_kvguard_wipes_slots"
-_installed = False
 
 
 def slot_ids(slots: Sequence[SlotRange], block_size: int) -> list[int]:
@@ -78,21 +77,21 @@ def _patch(cls: str, method: str) -> Callable[[ModuleType], None]:
 CPU_RUNNER = "vllm.v1.worker.cpu.standalone_model_runner"
 """vLLM 0.34's x86 CPU runner (not a subclass of the V2 GPU runner)."""
 
-_PATCHES: dict[str, Callable[[ModuleType], None]] = {
-    V1_RUNNER: _patch("GPUModelRunner", "_update_states"),
-    V2_RUNNER: _patch("GPUModelRunner", "update_requests"),
-    CPU_RUNNER: _patch("StandaloneCPUModelRunner", "update_requests"),
-}
+PATCHES = RunnerPatches(
+    {
+        V1_RUNNER: _patch("GPUModelRunner", "_update_states"),
+        V2_RUNNER: _patch("GPUModelRunner", "update_requests"),
+        CPU_RUNNER: _patch("StandaloneCPUModelRunner", "update_requests"),
+    }
+)
 
 
 def install() -> None:
     """Make vLLM's model runners wipe ``kvguard_slots_to_zero`` (see the module doc):
     at once for a runner module already imported, else when it is. Idempotent."""
-    patch_runners(_PATCHES)
-    global _installed
-    _installed = True
+    PATCHES.install()
 
 
 def installed() -> bool:
     """Whether :func:`install` ran in this process."""
-    return _installed
+    return PATCHES.applied

@@ -24,11 +24,11 @@ start-up line.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-from .runner_hooks import mark_wrapper, patch_runners
+from .runner_hooks import RunnerPatches, mark_wrapper
 from .worker_caches import whole_block_layouts
 
 CPU_ZEROER_MODULE = "vllm.v1.worker.cpu.utils"
@@ -37,7 +37,6 @@ CPU_ZEROER_MODULE = "vllm.v1.worker.cpu.utils"
 KVGUARD_ZEROING = "kvguard's zero_blocks"
 
 _MARK = "_kvguard_zero_blocks"
-_installed = False
 
 
 def _patch_cpu_zeroer(module: ModuleType) -> None:
@@ -63,20 +62,18 @@ def _patch_cpu_zeroer(module: ModuleType) -> None:
     zeroer.zero_block_ids = mark_wrapper(zero_block_ids, stock, _MARK)
 
 
-_PATCHES: dict[str, Callable[[ModuleType], None]] = {CPU_ZEROER_MODULE: _patch_cpu_zeroer}
+PATCHES = RunnerPatches({CPU_ZEROER_MODULE: _patch_cpu_zeroer})
 
 
 def install() -> None:
     """Use kvguard's zeroing where it was measured faster (see the module doc): at once
     for a module already imported, else when it is. Idempotent."""
-    patch_runners(_PATCHES)
-    global _installed
-    _installed = True
+    PATCHES.install()
 
 
 def installed() -> bool:
     """Whether :func:`install` ran in this process."""
-    return _installed
+    return PATCHES.applied
 
 
 def zeroing_in_use(runner: Any) -> str:
