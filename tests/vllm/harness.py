@@ -30,18 +30,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingWorkerMetadata,
 )
+from vllm.multimodal.inputs import MultiModalFeatureSpec, MultiModalKwargsItem, PlaceholderRange
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
+from vllm.v1.core.encoder_cache_manager import EncoderDecoderCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     CircularBufferSpec,
+    CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     RSWASpec,
+    SinkFullAttentionSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -98,6 +102,7 @@ def make_vllm_config(
     prefix_caching: bool = True,
     runner: str = "generate",
     block_size: int = BLOCK,
+    encoder_decoder: bool = False,
 ) -> VllmConfig:
     sched_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -105,7 +110,7 @@ def make_vllm_config(
         max_model_len=1024,
         enable_chunked_prefill=True,
         async_scheduling=async_scheduling,
-        is_encoder_decoder=False,
+        is_encoder_decoder=encoder_decoder,
     )
     model_config = ModelConfig(
         model=_MODEL_DIR,
@@ -142,14 +147,20 @@ def make_scheduler(
     window: int = 3 * BLOCK,
     runner: str = "generate",
     block_size: int = BLOCK,
+    encoder_decoder: bool = False,
 ) -> Any:
     """A real scheduler; ``groups`` names its KV cache groups' kinds in order:
     ``"full"`` (full attention), ``"sliding"`` (a ``window``-token sliding window),
     ``"chunked"`` (``window``-token chunked local attention), ``"rswa"`` (R-SWA: the
-    prompt and the last ``window`` generated tokens) or ``"ring"`` (a circular buffer:
-    one block per request, reused in place). ``runner="pooling"``: an embedding model
-    (vLLM's pooling runner), whose outputs carry no NaN counts. ``block_size``: other
-    than ``BLOCK``, give :func:`make_request` the same."""
+    prompt and the last ``window`` generated tokens), ``"ring"`` (a circular buffer:
+    one block per request, reused in place), ``"sink"`` (full attention with one block
+    of static sink tokens) or ``"cross"`` (cross-attention: the encoder's KV, with
+    ``encoder_decoder=True``). ``runner="pooling"``: an embedding model (vLLM's pooling
+    runner), whose outputs carry no NaN counts. ``block_size``: other than ``BLOCK``,
+    give :func:`make_request` the same. ``encoder_decoder``: a Whisper-like
+    encoder-decoder model (vLLM then chunks no prefill and caches no prefix: pass
+    ``prefix_caching=False`` and a ``max_num_batched_tokens`` that holds a prompt),
+    whose requests carry an encoder input (:func:`make_request`'s ``encoder_tokens``)."""
     vllm_config = make_vllm_config(
         async_scheduling=async_scheduling,
         num_blocks=num_blocks,
@@ -161,6 +172,7 @@ def make_scheduler(
         prefix_caching=prefix_caching,
         runner=runner,
         block_size=block_size,
+        encoder_decoder=encoder_decoder,
     )
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks,
@@ -174,13 +186,22 @@ def make_scheduler(
         cls: type = GuardedAsyncScheduler if async_scheduling else GuardedScheduler
     else:
         cls = AsyncScheduler if async_scheduling else Scheduler
-    return cls(
+    scheduler = cls(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
         block_size=block_size,
         log_stats=True,
     )
+    if encoder_decoder:
+        # What vLLM sets up for a model its registry knows as encoder-decoder (the OPT
+        # stand-in is not one), as vLLM's own cross-attention scheduler tests do.
+        scheduler.is_encoder_decoder = True
+        scheduler.max_num_encoder_input_tokens = max_num_batched_tokens
+        scheduler.encoder_cache_manager = EncoderDecoderCacheManager(
+            cache_size=max_num_batched_tokens
+        )
+    return scheduler
 
 
 def _kv_cache_spec(kind: str, window: int, block_size: int) -> Any:
@@ -200,6 +221,10 @@ def _kv_cache_spec(kind: str, window: int, block_size: int) -> Any:
         return RSWASpec(**shape, rswa_window=window)
     if kind == "ring":
         return CircularBufferSpec(**shape)
+    if kind == "sink":
+        return SinkFullAttentionSpec(**shape, sink_len=block_size)
+    if kind == "cross":
+        return CrossAttentionSpec(**shape)
     raise ValueError(f"unknown KV cache group kind {kind!r}")
 
 
@@ -216,13 +241,31 @@ def ngram_speculation(num_tokens: int, *, async_scheduling: bool) -> Speculative
 
 
 def make_request(
-    request_id: str, prompt: list[int], max_tokens: int = 4, *, block_size: int = BLOCK
+    request_id: str,
+    prompt: list[int],
+    max_tokens: int = 4,
+    *,
+    block_size: int = BLOCK,
+    encoder_tokens: int = 0,
 ) -> Request:
+    """``encoder_tokens``: the length of the request's encoder input (an encoder-decoder
+    model's audio, say), which its first step encodes into its cross-attention KV."""
+    features = None
+    if encoder_tokens:
+        features = [
+            MultiModalFeatureSpec(
+                data=MultiModalKwargsItem.dummy(),
+                mm_position=PlaceholderRange(offset=0, length=encoder_tokens),
+                identifier=f"{request_id}-encoder-input",
+                modality="audio",
+            )
+        ]
     return Request(
         request_id=request_id,
         prompt_token_ids=prompt,
         sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
         pooling_params=None,
+        mm_features=features,
         block_hasher=_hasher(block_size),
     )
 

@@ -18,7 +18,6 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
 from kvguard import BlockState  # noqa: E402
-from kvguard.adapters.vllm.block_pool import GuardModeUnsupported  # noqa: E402
 
 from .harness import (  # noqa: E402
     BLOCK,
@@ -228,13 +227,6 @@ def test_clean_trace_same_decisions_as_stock_vllm(
         runs.append(trace)
     assert runs[0] == runs[1]
     assert any(h for entry in runs[0] if isinstance(entry, tuple) for h in entry[2].values())
-
-
-def test_guard_refuses_a_circular_buffer_group() -> None:
-    # One block per request, rewritten in place: no step ever fills it for good.
-    with pytest.raises(GuardModeUnsupported, match="CircularBufferManager"):
-        make_scheduler(groups=("full", "ring"))
-    make_scheduler(groups=("full", "ring"), kvguard={"enabled": False})
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])

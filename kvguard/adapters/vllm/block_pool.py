@@ -22,8 +22,11 @@ quarantined).
 
 Supported KV cache groups: full attention (MHA, GQA, MLA), sliding window, chunked
 local and R-SWA (the guarded scheduler validates the blocks a window, local chunk or
-R-SWA gap frees, see docs/vllm.md); other managers copy, re-point or ring-reuse cached
-blocks (``move_block_hashes``, ``cache_partial_block``) and are refused at install time.
+R-SWA gap frees, see docs/vllm.md), cross-attention and circular buffers (never
+published: freed plainly after a clean step, else quarantined). Managers that copy or
+re-point cached blocks (``move_block_hashes``, ``cache_partial_block``: Mamba, HiSparse)
+and static sink groups are refused at install time
+(:data:`~kvguard.adapters.vllm.manager.REFUSED_MANAGERS`).
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ require_supported_vllm()
 from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
 from vllm.v1.core.single_type_kv_cache_manager import (  # noqa: E402
     ChunkedLocalAttentionManager,
+    CircularBufferManager,
+    CrossAttentionManager,
     FullAttentionManager,
     RSWAManager,
     SlidingWindowManager,
@@ -34,11 +36,76 @@ GUARDED_MANAGERS = (
     SlidingWindowManager,
     ChunkedLocalAttentionManager,
     RSWAManager,
+    CrossAttentionManager,
+    CircularBufferManager,
 )
-"""vLLM's single-type managers guarded mode supports, by exact type (others, such as
-circular-buffer, sink or Mamba managers, write, copy or ring-reuse blocks in ways not
-covered). The windowed ones free blocks below a running request's processed tokens
-(``remove_skipped_blocks``), which the guarded schedulers validate as they go."""
+"""vLLM's single-type managers guarded mode supports, by exact type. The windowed ones
+free blocks below a running request's processed tokens (``remove_skipped_blocks``),
+which the guarded schedulers validate as they go. The last two's blocks are never
+published: a cross-attention group (encoder-decoder models, which vLLM runs without
+prefix caching) holds the encoder's KV, written by the step that runs the encoder; a
+circular buffer is one block per request rewritten in place, never prefix cached. Like
+every block no step validated, theirs are freed plainly when their request leaves
+after a clean step, and quarantined (zeroed before reuse) when it fails."""
+
+_RUN_UNGUARDED = (
+    "Run this model without the guard (KVGUARD_GUARD=0, or --additional-config "
+    """'{"kvguard": {"enabled": false}}'): vLLM's own KV cache, unguarded. docs/vllm.md """
+    "lists the KV cache groups the guard covers."
+)
+
+REFUSED_MANAGERS: dict[str, str] = {
+    "MambaManager": (
+        "Mamba / gated-delta-net state (hybrid models: Qwen3-Next, Nemotron-H, Granite 4, "
+        "Jamba, ...) is one state per request that each step overwrites in place, and its "
+        "prefix-cache checkpoints are copied between blocks; kvguard does not yet hold "
+        "those checkpoints back until their step validated"
+    ),
+    "SinkFullAttentionManager": (
+        "static sink tokens: vLLM 0.32-0.34 cannot build this group (the manager's "
+        "constructor rejects the coordinator's arguments, so the engine fails to start, "
+        "unguarded too), and the worker writes the sink KV into blocks 1..N that vLLM's "
+        "pool never reserves, which kvguard would hand out and zero like any other"
+    ),
+    "HiSparseSourceManager": (
+        "HiSparse keeps this group's KV in a host-memory pool of its own, which kvguard's "
+        "pool would replace, and publishes its blocks once the host copy is durable"
+    ),
+    "HiSparseHotManager": (
+        "HiSparse's hot region reads KV the HiSparse host pool holds, which kvguard does not guard"
+    ),
+    "HiSparseResidentManager": (
+        "HiSparse re-points a request's block table at GPU copies of host pages "
+        "(residency changes), which kvguard does not track"
+    ),
+}
+"""vLLM's single-type managers guarded mode refuses, by class name (a series may lack
+some), each with why: the start-up error names the group type and says what to do."""
+
+
+def group_refusal(manager_type: type) -> str | None:
+    """Why guarded mode refuses a KV cache group run by vLLM's ``manager_type``, or None
+    when it guards it. A manager kvguard has not decided on (a new vLLM group type) is
+    refused: guarding it takes knowing how it writes, shares and frees its blocks."""
+    if manager_type in GUARDED_MANAGERS:
+        return None
+    name = manager_type.__name__
+    return REFUSED_MANAGERS.get(
+        name,
+        "a KV cache group type this kvguard does not know (newer than its vLLM adapter): "
+        "how it writes, shares and frees blocks is unchecked",
+    )
+
+
+def refuse_unguarded_groups(managers: Any) -> None:
+    """Raise :class:`GuardModeUnsupported` naming every group type of ``managers`` (a
+    coordinator's single-type managers) guarded mode refuses, why, and what to do."""
+    refused = {type(m).__name__: group_refusal(type(m)) for m in managers}
+    reasons = [f"{name} groups: {why}" for name, why in sorted(refused.items()) if why]
+    if reasons:
+        raise GuardModeUnsupported(
+            f"kvguard cannot guard this model's KV cache -- {'; '.join(reasons)}. {_RUN_UNGUARDED}"
+        )
 
 
 def install_guarded_pool(
@@ -64,13 +131,7 @@ def install_guarded_pool(
         )
     coordinator = manager.coordinator
     managers = coordinator.single_type_managers
-    unsupported = [type(m).__name__ for m in managers if type(m) not in GUARDED_MANAGERS]
-    if unsupported:
-        raise GuardModeUnsupported(
-            "kvguard's guarded pool supports full-attention, sliding-window, "
-            "chunked-local and R-SWA KV cache groups only; this model also has "
-            f"{sorted(set(unsupported))}. Set KVGUARD_GUARD=0 (pass-through) for it."
-        )
+    refuse_unguarded_groups(managers)
     if coordinator.enable_partial_hash_hits:
         raise GuardModeUnsupported(
             "kvguard's guarded pool does not support partial-block prefix hits "

@@ -18,9 +18,10 @@ clean computed. :func:`recover` rolls each request back to that boundary instead
 * the steps in flight forget the request, so an output of theirs validates nothing.
 
 A request that cannot resume -- its last steps came back without a NaN count (no
-validated boundary is known), or a sliding window already freed KV the recomputation
-needs -- is ended with ``FINISHED_ERROR`` as vLLM's abort would, its unvalidated blocks
-quarantined, and the log says which and why.
+validated boundary is known), a sliding window already freed KV the recomputation
+needs, or it holds cross-attention or circular-buffer blocks (not laid out by its
+tokens: no tail of them can be wiped) -- is ended with ``FINISHED_ERROR`` as vLLM's
+abort would, its unvalidated blocks quarantined, and the log says which and why.
 """
 
 from __future__ import annotations
@@ -78,6 +79,19 @@ def requests_to_recover(scheduler: Any, request_ids: Iterable[str] | None) -> li
     return list(dict.fromkeys(ids))
 
 
+NOT_ROLLED_BACK: dict[str, str] = {
+    # vLLM manager class -> why a request holding blocks of its group cannot roll back
+    "CrossAttentionManager": (
+        "its cross-attention blocks hold the encoder's KV, laid out by encoder position, "
+        "not by its tokens"
+    ),
+    "CircularBufferManager": (
+        "its circular buffer is rewritten in place: the lost steps overwrote KV that "
+        "recomputing needs"
+    ),
+}
+
+
 def why_not_resumable(scheduler: Any, request: Any, boundary: int) -> str | None:
     """Why the request cannot resume from ``boundary``, or None."""
     req_id = request.request_id
@@ -88,6 +102,8 @@ def why_not_resumable(scheduler: Any, request: Any, boundary: int) -> str | None
         )
     for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
         blocks = manager.req_to_blocks.get(req_id, ())
+        if blocks and type(manager).__name__ in NOT_ROLLED_BACK:
+            return NOT_ROLLED_BACK[type(manager).__name__]
         size = manager.block_size
         needed_from = manager.get_num_skipped_tokens(boundary) // size
         for i in range(needed_from, min(boundary // size + 1, len(blocks))):
