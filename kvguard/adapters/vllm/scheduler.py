@@ -120,6 +120,34 @@ def guard_for(vllm_config: Any) -> GuardConfig:
     return guard
 
 
+def refuse_audit_for_layout(parallel_config: Any) -> None:
+    """The KV audit only where one worker holds all of the KV: each worker audits the
+    KV it holds (its heads under tensor parallelism, its layers under pipeline or its
+    tokens under context parallelism), but vLLM's executor returns one worker's
+    per-request counts (the first of the last pipeline stage) and drops the others'."""
+    sizes = {
+        name: int(getattr(parallel_config, name, 1) or 1)
+        for name in (
+            "tensor_parallel_size",
+            "pipeline_parallel_size",
+            "prefill_context_parallel_size",
+            "decode_context_parallel_size",
+        )
+    }
+    if all(size == 1 for size in sizes.values()):
+        return
+    layout = ", ".join(f"{name}={size}" for name, size in sizes.items() if size > 1)
+    raise GuardModeUnsupported(
+        f"kvguard's KV audit (\"audit\": true) cannot cover this engine's parallel layout "
+        f"({layout}): each worker audits only the KV it holds, and vLLM returns the "
+        "per-request counts of one worker alone (the first of the last pipeline stage), "
+        "so non-finite KV in another worker's share would be published unseen. Switch the "
+        "audit off (NaN logits are checked, and quarantined blocks zeroed, on every rank "
+        "without it), or run the audit with one worker per engine (data parallelism keeps "
+        "it)."
+    )
+
+
 def keep_zeroing_to_kvguard(scheduler: Any) -> None:
     """vLLM lists new blocks for zeroing only when it needs that itself: the plugin
     made ``needs_kv_cache_zeroing`` true so that workers build their zeroer, and vLLM
@@ -187,6 +215,8 @@ class _GuardMixin:
                 "Or turn speculative decoding off, or run the scheduler in pass-through "
                 f"mode ({GUARD_ENV}=0)."
             )
+        if guard.audit:
+            refuse_audit_for_layout(self.vllm_config.parallel_config)
         # Requests being finished because their step failed (never settled clean).
         self._kvguard_failing: dict[str, int] = {}
         # Requests that left after a clean step, whose blocks are not released yet.
