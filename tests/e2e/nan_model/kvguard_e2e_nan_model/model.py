@@ -56,6 +56,12 @@ class NanLlamaForCausalLM(LlamaForCausalLM):
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
         # (vLLM reads this signature: keyword-only vllm_config and prefix.)
         super().__init__(vllm_config=vllm_config, prefix=prefix)
+        from vllm.distributed import get_pp_group
+
+        self.first_stage = get_pp_group().is_first_rank
+        """Whether this worker embeds the tokens: faults are injected there (a later
+        pipeline stage has no embedding layer; the NaN reaches it through the hidden
+        states the first stage sends)."""
         self.armed: set[int] = set()
         """Positions where an armed fault fires next."""
         self.seen: set[tuple[int, int]] = set()
@@ -87,7 +93,12 @@ class NanLlamaForCausalLM(LlamaForCausalLM):
         **kwargs: Any,
     ) -> Any:
         crash: list[int] = []
-        if self.faults_enabled and input_ids is not None and inputs_embeds is None:
+        if (
+            self.faults_enabled
+            and self.first_stage
+            and input_ids is not None
+            and inputs_embeds is None
+        ):
             poison = self._rows_to_poison(input_ids, positions)
             if self.crash_at:
                 crash = [i for i, p in enumerate(positions.tolist()) if p in self.crash_at]
