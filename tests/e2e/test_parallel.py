@@ -19,7 +19,11 @@ and pool, and a test sends each request to the rank it names.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import subprocess
+import sys
+import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -52,6 +56,8 @@ if HAVE_ENGINE:
         with_token,
     )
     from .test_multiprocess import _output_to
+    from .test_serve import Server, _flags, _free_port, _wait_ready
+    from .test_serve import _stop as stop_server
 
 BIND = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 """One core per worker. vLLM's default (``auto``) binds each worker to a NUMA node of
@@ -478,3 +484,40 @@ class TestDataParallel:
         assert c_out == Result(ref_c.token_ids, "length", 64)
         aborts = _dp_lines("guarded", "kvguard: aborted request")
         assert len(aborts) == 1 and aborts[0].startswith("(EngineCore_DP0 "), aborts
+
+
+class TestServeDataParallel:
+    """``vllm serve --data-parallel-size 2``, guarded: the API server's ``/metrics``
+    carries kvguard's counters once per engine core."""
+
+    def test_metrics_show_one_sample_per_engine_core(
+        self, model_dir: str, reference: Any, tmp_path: Path
+    ) -> None:
+        port = _free_port()
+        env = {**os.environ, **engine_env(True)}
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        log = str(tmp_path / "serve.log")
+        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+        command += [*_flags(model_dir, port), "--data-parallel-size", "2"]
+        with open(log, "wb") as out:
+            process = subprocess.Popen(
+                command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        server = Server("guarded-dp", f"http://127.0.0.1:{port}", model_dir, process, log)
+        try:
+            _wait_ready(server)
+            for seed in range(4):
+                status, _ = server.complete(tokens(250 + seed, 40), max_tokens=4)
+                assert status == 200
+            with urllib.request.urlopen(server.url + "/metrics", timeout=30) as response:
+                metrics = response.read().decode()
+            starts = server.log_lines("kvguard: guard in force")
+        finally:
+            stop_server(server)
+        samples = re.findall(
+            r'^kvguard:steps_validated_total\{engine="(\d)"\} (\S+)$', metrics, re.M
+        )
+        assert sorted(engine for engine, _ in samples) == ["0", "1"], metrics
+        assert sum(float(value) for _, value in samples) > 0, samples
+        processes = sorted(m["process"] for m in map(DP_PROCESS.match, starts) if m)
+        assert processes == ["EngineCore_DP0", "EngineCore_DP1"], starts
