@@ -54,7 +54,6 @@ from kvguard.adapters.vllm import (
     worker_zeroing,
 )
 from kvguard.adapters.vllm._compat import (
-    has_v1_model_runner,
     require_supported_vllm,
     zeroing_is_a_field,
 )
@@ -272,18 +271,10 @@ def check_workers(collective_rpc: Any, vllm_config: Any) -> None:
 
 
 def worker_zeroes_blocks(runner: Any) -> bool:
-    """Whether the model runner applies ``new_block_ids_to_zero``: vLLM's V2 runners
-    once they built their ``kv_block_zeroer``, V1's GPU runner its ``_kv_block_zeroer``
-    (else they skip the list silently); V1's CPU runner zeroes with its own
-    ``_zero_block_ids``, no zeroer object."""
-    if getattr(runner, "kv_block_zeroer", None) is not None or hasattr(runner, "_kv_block_zeroer"):
-        return True
-    if not has_v1_model_runner():
-        return False
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    own = getattr(type(runner), "_zero_block_ids", None)
-    return own is not None and own is not GPUModelRunner._zero_block_ids
+    """Whether the model runner applies ``new_block_ids_to_zero`` (vLLM's runners skip
+    the list silently, or assert, without a zeroer): something zeroes its blocks
+    (:func:`~kvguard.adapters.vllm.worker_zeroing.zeroing_in_use`)."""
+    return worker_zeroing.zeroing_in_use(runner) != worker_zeroing.NO_ZEROING
 
 
 def _mark(patched: Any, stock: Any) -> None:

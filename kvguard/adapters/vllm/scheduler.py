@@ -73,6 +73,7 @@ from .metrics import (  # noqa: E402
 )
 from .plugin import (  # noqa: E402
     GUARD_ENV,
+    guard_config,
     stock_needs_zeroing,
     worker_counts_per_request,
     workers_checked,
@@ -107,7 +108,7 @@ def guard_for(vllm_config: Any) -> GuardConfig:
     """The guard's settings for this engine (:meth:`GuardConfig.from_vllm`), off for a
     pooling model -- its steps sample nothing and vLLM counts no NaNs for them, so no
     step could validate -- with a warning saying so."""
-    guard = GuardConfig.from_vllm(vllm_config.additional_config)
+    guard = guard_config(vllm_config)
     if guard.enabled and is_pooling_model(vllm_config):
         logger.warning(
             "kvguard: %s is a pooling model (runner %r): its outputs carry no NaN "

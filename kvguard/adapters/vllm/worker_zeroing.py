@@ -35,6 +35,8 @@ CPU_ZEROER_MODULE = "vllm.v1.worker.cpu.utils"
 """Where vLLM 0.34's x86 CPU runner keeps its block zeroer (``CPUKVBlockZeroer``)."""
 
 KVGUARD_ZEROING = "kvguard's zero_blocks"
+NO_ZEROING = "none"
+"""What :func:`zeroing_in_use` says of a runner that zeroes nothing (no zeroer built)."""
 
 _MARK = "_kvguard_zero_blocks"
 
@@ -85,7 +87,7 @@ def zeroing_in_use(runner: Any) -> str:
         return f"vLLM's {own.__name__}._zero_block_ids"
     zeroer = getattr(runner, "kv_block_zeroer", None) or getattr(runner, "_kv_block_zeroer", None)
     if zeroer is None:
-        return "none"
+        return NO_ZEROING
     if getattr(type(zeroer).zero_block_ids, _MARK, False):
         return KVGUARD_ZEROING
     return f"vLLM's {type(zeroer).__name__}"
