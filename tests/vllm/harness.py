@@ -44,6 +44,7 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MambaSpec,
     RSWASpec,
     SinkFullAttentionSpec,
     SlidingWindowSpec,
@@ -148,16 +149,20 @@ def make_scheduler(
     runner: str = "generate",
     block_size: int = BLOCK,
     encoder_decoder: bool = False,
+    hash_block_size: int | None = None,
 ) -> Any:
     """A real scheduler; ``groups`` names its KV cache groups' kinds in order:
     ``"full"`` (full attention), ``"sliding"`` (a ``window``-token sliding window),
     ``"chunked"`` (``window``-token chunked local attention), ``"rswa"`` (R-SWA: the
     prompt and the last ``window`` generated tokens), ``"ring"`` (a circular buffer:
     one block per request, reused in place), ``"sink"`` (full attention with one block
-    of static sink tokens) or ``"cross"`` (cross-attention: the encoder's KV, with
-    ``encoder_decoder=True``). ``runner="pooling"``: an embedding model (vLLM's pooling
-    runner), whose outputs carry no NaN counts. ``block_size``: other than ``BLOCK``,
-    give :func:`make_request` the same. ``encoder_decoder``: a Whisper-like
+    of static sink tokens), ``"cross"`` (cross-attention: the encoder's KV, with
+    ``encoder_decoder=True``) or ``"mamba"`` (a Mamba state group: vLLM's ``align``
+    mode with prefix caching, ``none`` without). ``runner="pooling"``: an embedding
+    model (vLLM's pooling runner), whose outputs carry no NaN counts. ``block_size``:
+    other than ``BLOCK``, give :func:`make_request` the same. ``hash_block_size``: the
+    prefix-match unit (below ``block_size``: partial-block prefix hits on; give
+    :func:`make_request` it as its ``block_size``). ``encoder_decoder``: a Whisper-like
     encoder-decoder model (vLLM then chunks no prefill and caches no prefix: pass
     ``prefix_caching=False`` and a ``max_num_batched_tokens`` that holds a prompt),
     whose requests carry an encoder input (:func:`make_request`'s ``encoder_tokens``)."""
@@ -178,7 +183,9 @@ def make_scheduler(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
         kv_cache_groups=[
-            KVCacheGroupSpec([f"layer{i}"], _kv_cache_spec(kind, window, block_size))
+            KVCacheGroupSpec(
+                [f"layer{i}"], _kv_cache_spec(kind, window, block_size, prefix_caching)
+            )
             for i, kind in enumerate(groups)
         ],
     )
@@ -192,6 +199,7 @@ def make_scheduler(
         structured_output_manager=StructuredOutputManager(vllm_config),
         block_size=block_size,
         log_stats=True,
+        **({"hash_block_size": hash_block_size} if hash_block_size else {}),
     )
     if encoder_decoder:
         # What vLLM sets up for a model its registry knows as encoder-decoder (the OPT
@@ -204,7 +212,7 @@ def make_scheduler(
     return scheduler
 
 
-def _kv_cache_spec(kind: str, window: int, block_size: int) -> Any:
+def _kv_cache_spec(kind: str, window: int, block_size: int, prefix_caching: bool) -> Any:
     shape: dict[str, Any] = {
         "block_size": block_size,
         "num_kv_heads": 1,
@@ -225,6 +233,13 @@ def _kv_cache_spec(kind: str, window: int, block_size: int) -> Any:
         return SinkFullAttentionSpec(**shape, sink_len=block_size)
     if kind == "cross":
         return CrossAttentionSpec(**shape)
+    if kind == "mamba":
+        return MambaSpec(
+            block_size=block_size,
+            shapes=((1,),),
+            dtypes=(torch.float32,),
+            mamba_cache_mode="align" if prefix_caching else "none",
+        )
     raise ValueError(f"unknown KV cache group kind {kind!r}")
 
 

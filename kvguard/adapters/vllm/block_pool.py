@@ -23,9 +23,11 @@ quarantined).
 Supported KV cache groups: full attention (MHA, GQA, MLA), sliding window, chunked
 local and R-SWA (the guarded scheduler validates the blocks a window, local chunk or
 R-SWA gap frees, see docs/vllm.md), cross-attention and circular buffers (never
-published: freed plainly after a clean step, else quarantined). Managers that copy or
-re-point cached blocks (``move_block_hashes``, ``cache_partial_block``: Mamba, HiSparse)
-and static sink groups are refused at install time
+published: freed plainly after a clean step, else quarantined), and Mamba / gated-delta-
+net state (its boundary checkpoints held back like attention blocks). With partial-block
+prefix hits on (``hash_block_size < block_size``) an entry inside a block is not
+registered (:meth:`GuardedBlockPool.cache_partial_block`): hits land on whole blocks.
+Static sink and HiSparse groups are refused at install time
 (:data:`~kvguard.adapters.vllm.manager.REFUSED_MANAGERS`).
 """
 
@@ -506,13 +508,98 @@ class GuardedBlockPool(BlockPool):
             self.kv_event_queue.append(AllBlocksCleared())
         return True
 
-    # ------------------------------------------------------------------ not covered
+    # ------------------------------------------------------------------ block entries
+    #
+    # Mamba groups (align mode) and partial-block prefix hits (hash_block_size <
+    # block_size) register entries for single blocks besides cache_full_blocks. kvguard
+    # publishes one key per block, and only for a block no step writes after the step
+    # that filled it validated.
 
-    def cache_partial_block(self, *args: Any, **kwargs: Any) -> Any:
-        raise GuardModeUnsupported("partial-block prefix caching in guarded mode")
+    def cache_partial_block(
+        self,
+        request: Any,
+        block: KVCacheBlock,
+        num_tokens: int,
+        kv_cache_group_id: int,
+        block_size: int,
+        replace_existing_hashes: bool = False,
+    ) -> Any:
+        """vLLM's entry for ``block`` at the prefix of ``num_tokens`` tokens (a prompt's
+        tail, a Mamba state checkpoint): the key it is published under, or None.
+
+        An entry at the block's end is its full-block key, held for the step that
+        fills the block like every key ``cache_full_blocks`` notes. An entry inside the
+        block is not registered (None, as vLLM returns for a null block): its request
+        still writes that block -- the attention tail's next tokens, the running Mamba
+        state overwritten in place -- so kvguard's one rule (published once no step
+        writes it and the steps that did passed) never holds for it; hits land on
+        whole blocks. ``replace_existing_hashes``: the block's content was replaced (a
+        Mamba checkpoint exported into it), so a key held for it under another prefix
+        goes first."""
+        if block.is_null:
+            return None
+        if num_tokens <= 0 or num_tokens % block_size:
+            if replace_existing_hashes:
+                self._maybe_evict_cached_block(block)
+            return None
+        index = num_tokens // block_size - 1
+        # vLLM's own key for the entry: the hash chained over the first num_tokens.
+        hashes = request.block_hashes
+        per_hash = self.hash_block_size
+        suffix = group_suffix(kv_cache_group_id)
+        key = hashes[num_tokens // per_hash - 1] + suffix
+        held = self.ledger.publication_of(block.block_id)
+        if block.block_hash == key or (held is not None and held[0] == key):
+            return key  # published, or held, under this key already
+        if replace_existing_hashes:
+            self._maybe_evict_cached_block(block)
+        elif block.block_hash is not None or held is not None:
+            return None  # one key per block: it keeps the one it has
+        parent = hashes[(index * block_size) // per_hash - 1] + suffix if index else None
+        filled: list[int] = []
+        self._note_fills(
+            request,
+            [*[self.null_block] * index, block],
+            resolve_block_hashes(hashes, per_hash, block_size),
+            index,
+            index + 1,
+            block_size,
+            kv_cache_group_id,
+            None,
+            suffix,
+            parent,
+            self.ledger.noting,
+            filled,
+        )
+        if filled:
+            self.ledger.note(request.request_id, filled, num_tokens)
+        return key if filled or block.block_hash == key else None
+
+    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
+        """vLLM takes every entry of ``block`` back: its content is about to be
+        replaced (a transient Mamba checkpoint overwrites the block). A publication
+        held for it is withdrawn -- the block stays its step's fill, validated or
+        quarantined with it, never published. A block already matchable is
+        invalidated (kvguard has no way back from published for a block that is
+        rewritten: it is quarantined and zeroed before reuse). Whether an entry went."""
+        if block.is_null:
+            return False
+        if self.ledger.withdraw(block.block_id):
+            return True
+        key = block.block_hash
+        if key is None:
+            return False
+        self.core.invalidate([key], descendants=False)
+        if self.core.record_events:
+            self._report_core_removals()
+        return True
 
     def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
-        raise GuardModeUnsupported("copy-on-write of cached blocks in guarded mode")
+        # Reached only through an entry inside a block (vLLM's Mamba copy-on-write of a
+        # prompt's partial tail), which cache_partial_block never registers.
+        raise GuardModeUnsupported(
+            "move_block_hashes: kvguard registers no entry inside a block, so there is none to move"
+        )
 
     def unpin_blocks(self, blocks: Iterable[KVCacheBlock], on_reuse: Any) -> None:
         raise GuardModeUnsupported("unpin_blocks (read-until-reuse) in guarded mode")

@@ -23,6 +23,7 @@ from vllm.v1.core.single_type_kv_cache_manager import (  # noqa: E402
     CircularBufferManager,
     CrossAttentionManager,
     FullAttentionManager,
+    MambaManager,
     RSWAManager,
     SlidingWindowManager,
 )
@@ -38,15 +39,25 @@ GUARDED_MANAGERS = (
     RSWAManager,
     CrossAttentionManager,
     CircularBufferManager,
+    MambaManager,
 )
 """vLLM's single-type managers guarded mode supports, by exact type. The windowed ones
 free blocks below a running request's processed tokens (``remove_skipped_blocks``),
-which the guarded schedulers validate as they go. The last two's blocks are never
-published: a cross-attention group (encoder-decoder models, which vLLM runs without
-prefix caching) holds the encoder's KV, written by the step that runs the encoder; a
-circular buffer is one block per request rewritten in place, never prefix cached. Like
-every block no step validated, theirs are freed plainly when their request leaves
-after a clean step, and quarantined (zeroed before reuse) when it fails."""
+which the guarded schedulers validate as they go. A cross-attention group's blocks
+(encoder-decoder models, which vLLM runs without prefix caching) hold the encoder's KV,
+written by the step that runs the encoder; a circular buffer is one block per request
+rewritten in place, never prefix cached: neither is ever published. Like every block no
+step validated, theirs are freed plainly when their request leaves after a clean step,
+and quarantined (zeroed before reuse) when it fails.
+
+A Mamba group (hybrid models: Mamba, Mamba2 or gated-delta-net layers beside attention)
+holds per request the running state block, overwritten in place by every step, and, in
+vLLM's ``align`` mode (prefix caching), the state at each block boundary in a block of
+its own: vLLM caches that block while it schedules the step that computes the boundary,
+so the guard holds its key back until that step validated, as for attention blocks. A
+checkpoint vLLM re-keys or takes back (``cache_partial_block``,
+``_maybe_evict_cached_block``) loses the key held for it; an entry inside a block is
+never registered (see ``GuardedBlockPool.cache_partial_block``)."""
 
 _RUN_UNGUARDED = (
     "Run this model without the guard (KVGUARD_GUARD=0, or --additional-config "
@@ -55,12 +66,6 @@ _RUN_UNGUARDED = (
 )
 
 REFUSED_MANAGERS: dict[str, str] = {
-    "MambaManager": (
-        "Mamba / gated-delta-net state (hybrid models: Qwen3-Next, Nemotron-H, Granite 4, "
-        "Jamba, ...) is one state per request that each step overwrites in place, and its "
-        "prefix-cache checkpoints are copied between blocks; kvguard does not yet hold "
-        "those checkpoints back until their step validated"
-    ),
     "SinkFullAttentionManager": (
         "static sink tokens: vLLM 0.32-0.34 cannot build this group (the manager's "
         "constructor rejects the coordinator's arguments, so the engine fails to start, "
@@ -132,11 +137,6 @@ def install_guarded_pool(
     coordinator = manager.coordinator
     managers = coordinator.single_type_managers
     refuse_unguarded_groups(managers)
-    if coordinator.enable_partial_hash_hits:
-        raise GuardModeUnsupported(
-            "kvguard's guarded pool does not support partial-block prefix hits "
-            "(hash_block_size < block_size)"
-        )
     pool = GuardedBlockPool(
         **block_pool_kwargs(old), guard=guard, ledger=ledger, window_frees=window_frees
     )

@@ -19,8 +19,8 @@ clean computed. :func:`recover` rolls each request back to that boundary instead
 
 A request that cannot resume -- its last steps came back without a NaN count (no
 validated boundary is known), a sliding window already freed KV the recomputation
-needs, or it holds cross-attention or circular-buffer blocks (not laid out by its
-tokens: no tail of them can be wiped) -- is ended with ``FINISHED_ERROR`` as vLLM's
+needs, or it holds cross-attention, circular-buffer or Mamba blocks (not laid out by
+its tokens: no tail of them can be wiped) -- is ended with ``FINISHED_ERROR`` as vLLM's
 abort would, its unvalidated blocks quarantined, and the log says which and why.
 """
 
@@ -88,6 +88,10 @@ NOT_ROLLED_BACK: dict[str, str] = {
     "CircularBufferManager": (
         "its circular buffer is rewritten in place: the lost steps overwrote KV that "
         "recomputing needs"
+    ),
+    "MambaManager": (
+        "its Mamba state is overwritten in place by every step: the lost steps overwrote "
+        "the state that recomputing would start from"
     ),
 }
 

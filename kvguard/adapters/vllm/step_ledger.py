@@ -312,6 +312,37 @@ class StepLedger:
                     self.events.pop(block_id, None)
                 record.dropped.add(request_id)
 
+    # ------------------------------------------------------------------ per block
+
+    def _publication_maps(self) -> Iterator[dict[int, PendingPublication]]:
+        if self.scheduling is not None:
+            yield self.scheduling.publications
+        for record in self._steps:
+            yield record.publications
+        yield self.noted.publications
+        yield self.settled_publications
+        yield self.carried.publications
+
+    def publication_of(self, block_id: int) -> PendingPublication | None:
+        """The publication held for ``block_id``, wherever it waits (None: none)."""
+        for publications in self._publication_maps():
+            held = publications.get(block_id)
+            if held is not None:
+                return held
+        return None
+
+    def withdraw(self, block_id: int) -> bool:
+        """vLLM took the entry of ``block_id`` back before it was published (the
+        block's content is being replaced): the publication held for it goes, wherever
+        it waits. The block stays the fill of its step -- validated or quarantined with
+        it, only never published. Whether one was held."""
+        found = False
+        for publications in self._publication_maps():
+            if publications.pop(block_id, None) is not None:
+                found = True
+        self.events.pop(block_id, None)
+        return found
+
     # ------------------------------------------------------------------ checks
 
     def held_blocks(self) -> Iterator[int]:
