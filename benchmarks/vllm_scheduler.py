@@ -18,9 +18,10 @@ Goal: guarded / stock <= 1.02. Run::
 per-block work -- weigh more than in a decode-heavy serving mix).
 
 ``--groups full,sliding`` runs a model with those KV cache groups instead of one
-full-attention group (``full``, ``sliding``, ``chunked``, ``rswa``: a hybrid model's
-window or local-chunk frees go through the guard's window wrapper; ``--window`` sets
-their size in tokens, default 256).
+full-attention group (``full``, ``sliding``, ``chunked``, ``rswa``: a model's window or
+local-chunk frees go through the guard's window wrapper; ``--window`` sets their size
+in tokens, default 256; ``mamba``: a hybrid model's Mamba state group, vLLM's ``align``
+mode, whose boundary checkpoints the guard holds back).
 
 ``--offload`` gives both schedulers vLLM's CPU offloading (``OffloadingConnector``; the
 guarded side runs kvguard's ``GuardedOffloadingConnector``, its offload gate); the
@@ -215,7 +216,7 @@ def main() -> None:
         "--groups",
         type=lambda text: tuple(text.split(",")),
         default=("full",),
-        help="KV cache groups of the model, comma-separated (full, sliding, chunked, rswa)",
+        help="KV cache groups of the model, comma-separated (full, sliding, chunked, rswa, mamba)",
     )
     parser.add_argument("--window", type=int, default=256, help="window / chunk, in tokens")
     parser.add_argument(
