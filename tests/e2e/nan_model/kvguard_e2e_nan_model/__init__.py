@@ -1,9 +1,13 @@
-"""Test-only vLLM plugin: registers :class:`~kvguard_e2e_nan_model.model.NanLlamaForCausalLM`.
+"""Test-only vLLM plugin: registers the fault-injecting models of
+:mod:`kvguard_e2e_nan_model.model` -- :class:`~kvguard_e2e_nan_model.model.NanLlamaForCausalLM`
+(``ARCHITECTURE``) and the hybrid ones (``GDN_ARCHITECTURE``: gated-delta-net + attention,
+``MAMBA2_ARCHITECTURE``: Mamba2 + attention).
 
 vLLM runs :func:`register` in every process it starts (``vllm.general_plugins``), so
 the engine core and the workers of the multiprocess engine, and ``vllm serve``'s
-processes, all know the architecture. Choose it with ``hf_overrides={"architectures":
-[ARCHITECTURE]}`` (or a model directory whose config names it).
+processes, all know the architectures. Choose one with ``hf_overrides={"architectures":
+[ARCHITECTURE]}`` (or a model directory whose config names it) on a model directory of
+the matching transformers model (Llama; Qwen3-Next; GraniteMoeHybrid).
 
 With ``KVGUARD_E2E_ASYNC_SCHEDULING=1`` in the environment of the process that builds
 an engine's config, vLLM's CPU platform keeps async scheduling on (see
@@ -16,14 +20,20 @@ import os
 from typing import Any
 
 ARCHITECTURE = "NanLlamaForCausalLM"
+GDN_ARCHITECTURE = "NanQwen3NextForCausalLM"
+MAMBA2_ARCHITECTURE = "NanGraniteMoeHybridForCausalLM"
+ARCHITECTURES = (ARCHITECTURE, GDN_ARCHITECTURE, MAMBA2_ARCHITECTURE)
 ASYNC_ENV = "KVGUARD_E2E_ASYNC_SCHEDULING"
 
 
 def register() -> None:
     from vllm import ModelRegistry
 
-    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(ARCHITECTURE, "kvguard_e2e_nan_model.model:" + ARCHITECTURE)
+    supported = ModelRegistry.get_supported_archs()
+    for name in ARCHITECTURES:
+        if name not in supported:
+            # By "module:class": vLLM imports the model module when it is needed.
+            ModelRegistry.register_model(name, "kvguard_e2e_nan_model.model:" + name)
     allow_async_scheduling_on_cpu()
 
 

@@ -1,4 +1,16 @@
-"""A Llama that poisons its own hidden states with NaN, on a schedule its prompts carry.
+"""Models that poison their own hidden states with NaN, on a schedule their prompts carry.
+
+:class:`NanFaults` injects the faults into any vLLM causal LM whose ``forward`` takes
+``(input_ids, positions, intermediate_tensors, inputs_embeds)`` and that has
+``embed_input_ids``; the models here are vLLM's own with it mixed in:
+
+* :class:`NanLlamaForCausalLM` (attention only);
+* :class:`NanQwen3NextForCausalLM` (hybrid: gated-delta-net and attention layers);
+* :class:`NanGraniteMoeHybridForCausalLM` (hybrid: Mamba2 and attention layers).
+
+In a hybrid model the NaN row also poisons the recurrent state of every linear-attention
+(GDN / Mamba2) layer from that position on: the state the step leaves behind, and every
+prefix-cache checkpoint of it taken after the fault, is NaN.
 
 Faults are armed by *trigger tokens*: token ``TRIGGER + d`` (``0 <= d < SPAN``) at
 position ``p`` of a prompt arms one fault at position ``p + d``. The row that computes
@@ -38,7 +50,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from vllm.model_executor.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from vllm.model_executor.models.llama import LlamaForCausalLM
+from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM
 
 TRIGGER = 900
 """The first trigger token id (the model's vocabulary must reach TRIGGER + SPAN)."""
@@ -50,12 +64,16 @@ class InjectedFault(RuntimeError):
     """The crash a test armed (``crash_at``): the step wrote garbage KV, then failed."""
 
 
-class NanLlamaForCausalLM(LlamaForCausalLM):
-    """``LlamaForCausalLM`` with trigger-token NaN faults (see the module doc)."""
+class NanFaults:
+    """Trigger-token NaN faults (and armed crashes, late NaN) for the vLLM model class
+    it is mixed into, listed first: ``class NanX(NanFaults, X)`` (see the module doc).
+
+    The late-NaN fault writes into attention layers' KV caches only (a Mamba / GDN
+    layer's cache is not one tensor)."""
 
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
         # (vLLM reads this signature: keyword-only vllm_config and prefix.)
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        super().__init__(vllm_config=vllm_config, prefix=prefix)  # type: ignore[call-arg]
         from vllm.distributed import get_pp_group
 
         self.first_stage = get_pp_group().is_first_rank
@@ -103,11 +121,13 @@ class NanLlamaForCausalLM(LlamaForCausalLM):
             if self.crash_at:
                 crash = [i for i, p in enumerate(positions.tolist()) if p in self.crash_at]
             if poison or crash:
-                inputs_embeds = self.embed_input_ids(input_ids)
+                inputs_embeds = self.embed_input_ids(input_ids)  # type: ignore[attr-defined]
                 inputs_embeds[poison] = float("nan")
                 inputs_embeds[crash] = 1e4  # finite garbage: wrong K and V, no NaN
                 input_ids = None
-        out = super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
+        out = super().forward(  # type: ignore[misc]
+            input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs
+        )
         if self.faults_enabled and self.late_nan_at:
             late = [i for i, p in enumerate(positions.tolist()) if p in self.late_nan_at]
             if late:
@@ -123,7 +143,7 @@ class NanLlamaForCausalLM(LlamaForCausalLM):
     def compute_logits(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         # Trigger tokens are never sampled: a generated trigger would arm a fault no
         # test asked for. (-inf, not NaN: NaN counts see only the injected faults.)
-        logits = super().compute_logits(hidden_states, *args, **kwargs)
+        logits = super().compute_logits(hidden_states, *args, **kwargs)  # type: ignore[misc]
         if logits is not None:
             logits[..., TRIGGER : TRIGGER + SPAN] = float("-inf")
         return logits
@@ -168,3 +188,17 @@ class NanLlamaForCausalLM(LlamaForCausalLM):
                 self.fired_in.append(tuple(pos))
                 out.append(i)
         return out
+
+
+class NanLlamaForCausalLM(NanFaults, LlamaForCausalLM):
+    """``LlamaForCausalLM`` with trigger-token NaN faults (see the module doc)."""
+
+
+class NanQwen3NextForCausalLM(NanFaults, Qwen3NextForCausalLM):
+    """``Qwen3NextForCausalLM`` (gated-delta-net + attention hybrid) with trigger-token
+    NaN faults. vLLM treats it as hybrid (``IsHybrid``) like the class it extends."""
+
+
+class NanGraniteMoeHybridForCausalLM(NanFaults, GraniteMoeHybridForCausalLM):
+    """``GraniteMoeHybridForCausalLM`` (Mamba2 + attention hybrid) with trigger-token
+    NaN faults. vLLM treats it as hybrid (``IsHybrid``) like the class it extends."""
