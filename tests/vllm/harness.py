@@ -157,10 +157,12 @@ def make_scheduler(
     prompt and the last ``window`` generated tokens), ``"ring"`` (a circular buffer:
     one block per request, reused in place), ``"sink"`` (full attention with one block
     of static sink tokens), ``"cross"`` (cross-attention: the encoder's KV, with
-    ``encoder_decoder=True``) or ``"mamba"`` (a Mamba state group: vLLM's ``align``
-    mode with prefix caching, ``none`` without). ``runner="pooling"``: an embedding
-    model (vLLM's pooling runner), whose outputs carry no NaN counts. ``block_size``:
-    other than ``BLOCK``, give :func:`make_request` the same. ``hash_block_size``: the
+    ``encoder_decoder=True``), ``"mamba"`` (a Mamba state group: vLLM's ``align``
+    mode with prefix caching, ``none`` without) or ``"mamba2"`` (one whose layers
+    export a checkpoint of the state inside a prefill chunk, as Mamba2's do).
+    ``runner="pooling"``: an embedding model (vLLM's pooling runner), whose outputs
+    carry no NaN counts. ``block_size``: other than ``BLOCK``, give
+    :func:`make_request` the same. ``hash_block_size``: the
     prefix-match unit (below ``block_size``: partial-block prefix hits on; give
     :func:`make_request` it as its ``block_size``). ``encoder_decoder``: a Whisper-like
     encoder-decoder model (vLLM then chunks no prefill and caches no prefix: pass
@@ -233,12 +235,14 @@ def _kv_cache_spec(kind: str, window: int, block_size: int, prefix_caching: bool
         return SinkFullAttentionSpec(**shape, sink_len=block_size)
     if kind == "cross":
         return CrossAttentionSpec(**shape)
-    if kind == "mamba":
+    if kind in ("mamba", "mamba2"):
+        checkpoints = {"num_prefill_checkpoint_blocks": 1, "prefill_checkpoint_alignment": 1}
         return MambaSpec(
             block_size=block_size,
             shapes=((1,),),
             dtypes=(torch.float32,),
             mamba_cache_mode="align" if prefix_caching else "none",
+            **(checkpoints if kind == "mamba2" else {}),
         )
     raise ValueError(f"unknown KV cache group kind {kind!r}")
 

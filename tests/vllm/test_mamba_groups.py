@@ -180,23 +180,133 @@ def test_a_same_prefix_request_hits_exactly_the_validated_prefix(guarded: bool) 
 # ---------------------------------------------------------------- entries
 
 
-def test_an_entry_inside_a_block_is_never_registered() -> None:
-    """A prompt's tail inside a block, or a checkpoint there: its request still writes
-    the block (the running state), so kvguard registers nothing for it; a checkpoint
-    exported into a published block replaces what its key promised."""
+TAIL_PROMPT = PROMPT[: 5 * BLOCK + 4]
+"""84 tokens in one step (blocks of 32, a prefix-match unit of 16): the running Mamba
+state, at 84, sits in block 2; the prompt's last prefix-match boundary is 80."""
+
+
+def _tail_scheduler() -> Any:
+    s = make_scheduler(
+        groups=HYBRID, block_size=2 * BLOCK, hash_block_size=BLOCK, max_num_batched_tokens=256
+    )
+    s.add_request(make_request("a", TAIL_PROMPT, max_tokens=4))
+    return s
+
+
+def test_an_entry_inside_a_running_block_is_held_not_matchable() -> None:
+    """A prompt's tail inside a block its request still writes: registered (vLLM gets
+    its key) but not matchable; a checkpoint exported into a published block replaces
+    what the block's key promised, which goes."""
+    s = _tail_scheduler()
+    step(s)
+    pool = s.kvguard_pool
+    request = s.requests["a"]
+    running = pool.blocks[_mamba_blocks(s, "a")[-1]]
+    key = pool.cache_partial_block(request, running, 5 * BLOCK, 0, 2 * BLOCK)
+    assert key == request.block_hashes[4] + bytes(4)
+    assert running.block_id in pool.tails and running.block_hash is None
+    assert pool.get_cached_block(request.block_hashes[4], [0]) is None
+    # Again: vLLM is handed the same key, nothing changes.
+    assert pool.cache_partial_block(request, running, 5 * BLOCK, 0, 2 * BLOCK) == key
+    pool.check_consistency()
+
+
+def test_a_checkpoint_exported_into_a_published_block_unpublishes_it() -> None:
     s = make_scheduler(groups=HYBRID)
     s.add_request(make_request("a", PROMPT, max_tokens=4))
     step(s)
-    request = s.requests["a"]
     pool = s.kvguard_pool
-    tail = s.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks["a"][-1]
-    key = tail.block_hash  # its state at 64, published
-    assert key is not None
-    assert pool.cache_partial_block(request, tail, 4 * BLOCK + 8, 0, BLOCK) is None
-    assert pool.cache_partial_block(request, tail, 4 * BLOCK + 8, 0, BLOCK, True) is None
-    assert _core(s).block_state(tail.block_id) is BlockState.QUARANTINED  # its content went
-    assert pool.get_cached_block(key[:-4], [0]) is None
+    state = pool.blocks[_mamba_blocks(s, "a")[-1]]  # the state at 64, published
+    published = state.block_hash
+    assert published is not None
+    assert pool.cache_partial_block(s.requests["a"], state, 3 * BLOCK, 0, BLOCK, True) is None
+    assert _core(s).block_state(state.block_id) is BlockState.QUARANTINED
+    assert pool.get_cached_block(published[:-4], [0]) is None
     pool.check_consistency()
+
+
+def _vllm_moves_the_tail(pool: Any, src: Any) -> Any:
+    """What vLLM's MambaManager does for a producer's tail on its next allocation: a
+    new block takes the entry and a copy, both kept until the copy ran."""
+    (dst,) = pool.get_new_blocks(1)
+    pool.move_block_hashes(src, dst)
+    src.ref_cnt += 1
+    return dst
+
+
+def test_a_mamba_tail_moves_to_its_copy_published_once_its_state_validated() -> None:
+    s = _tail_scheduler()
+    step(s)
+    pool = s.kvguard_pool
+    src = pool.blocks[_mamba_blocks(s, "a")[-1]]
+    key = pool.cache_partial_block(s.requests["a"], src, 5 * BLOCK, 0, 2 * BLOCK)
+    dst = _vllm_moves_the_tail(pool, src)
+    assert dst.block_hash == key and _core(s).block_state(dst.block_id) is BlockState.PUBLISHED
+    pool.free_blocks([src, dst])  # vLLM: the copy ran
+    assert src.ref_cnt == 1 and _core(s).block_state(src.block_id) is BlockState.WRITTEN
+    assert pool.get_cached_block(key[:-4], [0]) == [dst]
+    pool.check_consistency()
+
+
+def test_a_mamba_tail_whose_state_is_in_flight_is_not_moved() -> None:
+    """Under async scheduling vLLM copies the state while the step that computed it is
+    still in flight: the entry goes, and the copy -- released before that step reports
+    -- is quarantined."""
+    s = _tail_scheduler()
+    so = s.schedule()
+    pool = s.kvguard_pool
+    src = pool.blocks[_mamba_blocks(s, "a")[-1]]
+    key = pool.cache_partial_block(s.requests["a"], src, 5 * BLOCK, 0, 2 * BLOCK)
+    dst = _vllm_moves_the_tail(pool, src)
+    pool.free_blocks([src, dst])
+    assert dst.block_hash is None and src.ref_cnt == 1
+    assert _core(s).block_state(dst.block_id) is BlockState.QUARANTINED
+    assert pool.get_cached_block(key[:-4], [0]) is None
+    s.update_from_output(so, model_output(s, so))
+    pool.check_consistency()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_an_attention_tail_is_published_when_its_request_leaves_after_clean_steps(
+    async_scheduling: bool,
+) -> None:
+    """A Mamba2-like group exports its state at the prompt's last boundary (80) into a
+    block of its own; attention registers its tail there. Guarded, a same-prompt
+    request hits 80 once the first has left after clean steps (stock: as soon as the
+    tail is registered); with a NaN in the first request's step, it hits nothing."""
+    for guarded, during, nan, expected in [
+        (False, True, False, 5 * BLOCK),
+        (True, True, False, 0),
+        (True, False, False, 5 * BLOCK),
+        (True, False, True, 0),
+    ]:
+        s = make_scheduler(
+            guarded=guarded,
+            groups=("mamba2", "full"),
+            block_size=2 * BLOCK,
+            hash_block_size=BLOCK,
+            max_num_batched_tokens=256,
+            async_scheduling=async_scheduling,
+        )
+        s.add_request(make_request("a", TAIL_PROMPT, max_tokens=3))
+        pending: list[tuple[int, Any]] = []
+        hits: dict[str, int] = {}
+        for t in range(8):
+            if t == (2 if during else 6):
+                s.add_request(make_request("b", TAIL_PROMPT, max_tokens=2))
+            so = s.schedule()
+            hits.update(hit_tokens(so))
+            pending.append((t, so))
+            if not async_scheduling or len(pending) == 2:
+                done_t, done = pending.pop(0)
+                s.update_from_output(
+                    done, model_output(s, done, {"a": 1} if nan and done_t == 0 else None)
+                )
+        for _, done in pending:
+            s.update_from_output(done, model_output(s, done))
+        assert hits["b"] == expected, (guarded, during, nan)
+        if guarded:
+            s.kvguard_pool.check_consistency()
 
 
 def test_a_checkpoint_taken_back_before_validation_is_never_published() -> None:
@@ -244,22 +354,31 @@ def test_a_checkpoint_rekeyed_to_its_own_boundary_keeps_its_held_key() -> None:
 # ---------------------------------------------------------------- partial-block hits
 
 
+@pytest.mark.parametrize(
+    ("groups", "chunk"),
+    # Mamba caches states where a step ends on a block: 64-token chunks; Mamba2 also
+    # at the prompt's last boundary inside one: whole prompts in a step.
+    [(HYBRID, 64), (("mamba2", "full"), 256)],
+    ids=["mamba", "mamba2"],
+)
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_partial_block_prefix_hits_run_guarded_on_whole_blocks(async_scheduling: bool) -> None:
+def test_partial_block_prefix_hits_clean_trace_runs_guarded(
+    async_scheduling: bool, groups: tuple[str, ...], chunk: int
+) -> None:
     """``hash_block_size`` (16) below the block size (32): vLLM's prefix-match unit is
-    finer than its blocks. Guarded, vLLM schedules the same trace; its hits land on
-    whole blocks (kvguard registers no entry inside a block), where stock's also land
-    on the prompt tails it registered inside blocks."""
+    finer than its blocks. Guarded, every request finishes, nothing is quarantined,
+    and the hits are stock's or fewer (an entry inside a block is published later)."""
     arrivals = repeated_prompt_arrivals(11, 10)
     hits = {}
     for guarded in (False, True):
         s = make_scheduler(
             guarded=guarded,
-            groups=HYBRID,
+            groups=groups,
             block_size=2 * BLOCK,
             hash_block_size=BLOCK,
             async_scheduling=async_scheduling,
             num_blocks=64,
+            max_num_batched_tokens=chunk,
         )
         assert s.kv_cache_manager.coordinator.enable_partial_hash_hits
         trace = harness.decision_trace(s, arrivals, 60, async_scheduling=async_scheduling)
@@ -271,7 +390,6 @@ def test_partial_block_prefix_hits_run_guarded_on_whole_blocks(async_scheduling:
         if guarded:
             assert s.kvguard_stats()["blocks_quarantined"] == 0
             s.kvguard_pool.check_consistency()
-    assert all(h % (2 * BLOCK) == 0 for h in hits[True])
     assert any(hits[True])
     assert sum(hits[True]) <= sum(hits[False])
 

@@ -24,9 +24,9 @@ Supported KV cache groups: full attention (MHA, GQA, MLA), sliding window, chunk
 local and R-SWA (the guarded scheduler validates the blocks a window, local chunk or
 R-SWA gap frees, see docs/vllm.md), cross-attention and circular buffers (never
 published: freed plainly after a clean step, else quarantined), and Mamba / gated-delta-
-net state (its boundary checkpoints held back like attention blocks). With partial-block
-prefix hits on (``hash_block_size < block_size``) an entry inside a block is not
-registered (:meth:`GuardedBlockPool.cache_partial_block`): hits land on whole blocks.
+net state (its boundary checkpoints held back like attention blocks), with partial-block
+prefix hits (``hash_block_size < block_size``: entries inside a block wait until nothing
+changes what they cover, :meth:`GuardedBlockPool.cache_partial_block`).
 Static sink and HiSparse groups are refused at install time
 (:data:`~kvguard.adapters.vllm.manager.REFUSED_MANAGERS`).
 """
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from kvguard.adapters.vllm._compat import (
@@ -86,6 +87,22 @@ def group_suffix(group_id: int) -> bytes:
 
 class GuardModeUnsupported(NotImplementedError):
     """A vLLM path the guarded pool does not cover (documented in docs/vllm.md)."""
+
+
+@dataclass(slots=True)
+class TailEntry:
+    """An entry vLLM registered inside a block (``cache_partial_block``), held back."""
+
+    publication: PendingPublication
+    """(key, parent, owner): the prefix the entry stands for, and the request writing it."""
+    num_tokens: int
+    """The prefix length the key covers."""
+    on_release: bool
+    """Published when its request releases the block after clean steps: an attention
+    tail, whose tokens up to the entry never change. False: a Mamba state, which its
+    request's next steps overwrite in place -- only a copy made while it still held
+    the entry's state (vLLM's copy-on-write, :meth:`GuardedBlockPool.move_block_hashes`)
+    is ever published."""
 
 
 class _FreeQueueOwnedByKvGuard:
@@ -159,6 +176,17 @@ class GuardedBlockPool(BlockPool):
         self.get_num_free_blocks = core.get_num_free_blocks
         self._cached_block_id = core.prefix_index.get
         self.free_block_queue = _FreeQueueOwnedByKvGuard()
+        self.tails: dict[int, TailEntry] = {}
+        """Entries vLLM registered inside a block its request goes on writing (a prompt's
+        tail with partial-block prefix hits), by block id: none is matchable until it
+        is published (:meth:`cache_partial_block`)."""
+        self.retentions: dict[int, int] = {}
+        """Block id -> references vLLM took by writing ``ref_cnt`` for a copy-on-write,
+        which kvguard does not count (:meth:`retain_for_copy`); vLLM's release of each
+        is skipped."""
+        self.state_groups: frozenset[int] = frozenset()
+        """KV cache groups whose blocks hold a state overwritten in place (Mamba): set
+        by :func:`~kvguard.adapters.vllm.manager.install_guarded_pool`."""
 
     # ------------------------------------------------------------------ validation
     #
@@ -283,6 +311,9 @@ class GuardedBlockPool(BlockPool):
             )
         if filled:
             ledger.note(owner, filled, num_full_blocks * block_size)
+            if self.tails:  # a full block's key replaces an entry inside it
+                for block_id in filled:
+                    self.tails.pop(block_id, None)
 
     def _note_fills(
         self,
@@ -444,6 +475,8 @@ class GuardedBlockPool(BlockPool):
         if self.ledger.settled:
             self.validate_settled()  # a block vouched for is validated before it is freed
         released = ordered_blocks if isinstance(ordered_blocks, list) else list(ordered_blocks)
+        if self.retentions:
+            released = self._skip_retentions(released)
         handle = self._pool_handle
         ids = [block.block_id for block in released if block.pool is handle and not block.is_null]
         other_pools: dict[Any, list[KVCacheBlock]] = {}
@@ -458,6 +491,8 @@ class GuardedBlockPool(BlockPool):
             passed = window_frees(ids)
             if passed is not None:
                 steps_passed = passed
+        if self.tails:
+            self._settle_tails(ids, steps_passed)
         # (kvguard raises, changing nothing, on a double free.)
         self.core.release_blocks(ids, steps_passed=steps_passed)
         events = self.ledger.events
@@ -471,6 +506,49 @@ class GuardedBlockPool(BlockPool):
                 pool.free_blocks(others, evict_first)
             else:
                 pool.free_blocks(others)
+
+    def retain_for_copy(self, block: Any) -> None:
+        """vLLM just took a reference on ``block`` by writing ``ref_cnt += 1``, to keep a
+        copy-on-write's endpoint until the copy ran (``_apply_cow``), and will release
+        it through :meth:`free_blocks`. kvguard does not count it -- a block being
+        written has one owner, and the copy runs in the step being scheduled, before
+        any block freed now is reused -- so the increment is undone and that release
+        skipped."""
+        block.ref_cnt -= 1
+        self.retentions[block.block_id] = self.retentions.get(block.block_id, 0) + 1
+
+    def _retain_before_vllm(self, block: Any) -> None:
+        """:meth:`retain_for_copy` for the reference vLLM takes right after this call
+        returns (``move_block_hashes``' caller writes ``ref_cnt += 1`` next): the
+        count is one short until then, and no kvguard call comes in between."""
+        self.retain_for_copy(block)
+
+    def _skip_retentions(self, released: list[KVCacheBlock]) -> list[KVCacheBlock]:
+        """``released`` without the releases of references kvguard did not count."""
+        retentions = self.retentions
+        kept = []
+        for block in released:
+            left = retentions.get(block.block_id)
+            if left is None:
+                kept.append(block)
+            elif left > 1:
+                retentions[block.block_id] = left - 1
+            else:
+                del retentions[block.block_id]
+        return kept
+
+    def _settle_tails(self, ids: list[int], steps_passed: bool) -> None:
+        """The entries inside the blocks whose last reference ``ids`` drops go; an
+        attention tail whose request leaves after clean steps is published first."""
+        blocks = self.blocks
+        for block_id in ids:
+            block = blocks[block_id]
+            if block.ref_cnt != 1 or block_id not in self.tails:
+                continue
+            entry = self.tails.pop(block_id)
+            if steps_passed and entry.on_release and block.state is _WRITTEN:
+                block.num_hash_tokens = entry.num_tokens
+                self.validate_fills([block_id], {block_id: entry.publication})
 
     # ------------------------------------------------------------------ cache control
 
@@ -496,6 +574,7 @@ class GuardedBlockPool(BlockPool):
         watched = [self.blocks[b] for b in list(self._reuse_watchers)]
         if not core.reset_prefix_cache(keep_held=[self.null_block.block_id]):
             return False
+        self.tails.clear()
         if watched:
             self._notify_reuse(watched)
         if core.record_events:
@@ -512,8 +591,8 @@ class GuardedBlockPool(BlockPool):
     #
     # Mamba groups (align mode) and partial-block prefix hits (hash_block_size <
     # block_size) register entries for single blocks besides cache_full_blocks. kvguard
-    # publishes one key per block, and only for a block no step writes after the step
-    # that filled it validated.
+    # publishes one key per block, and only bytes no step will change once the steps
+    # that wrote them validated.
 
     def cache_partial_block(
         self,
@@ -524,66 +603,68 @@ class GuardedBlockPool(BlockPool):
         block_size: int,
         replace_existing_hashes: bool = False,
     ) -> Any:
-        """vLLM's entry for ``block`` at the prefix of ``num_tokens`` tokens (a prompt's
-        tail, a Mamba state checkpoint): the key it is published under, or None.
+        """vLLM's entry for ``block`` at the prefix of ``num_tokens`` tokens: the key it
+        stands under (held back until kvguard may publish it), or None when kvguard
+        registers none.
 
-        An entry at the block's end is its full-block key, held for the step that
-        fills the block like every key ``cache_full_blocks`` notes. An entry inside the
-        block is not registered (None, as vLLM returns for a null block): its request
-        still writes that block -- the attention tail's next tokens, the running Mamba
-        state overwritten in place -- so kvguard's one rule (published once no step
-        writes it and the steps that did passed) never holds for it; hits land on
-        whole blocks. ``replace_existing_hashes``: the block's content was replaced (a
-        Mamba checkpoint exported into it), so a key held for it under another prefix
-        goes first."""
-        if block.is_null:
+        * At the block's end, or ``replace_existing_hashes`` (a Mamba checkpoint the
+          step being scheduled exports into a block of its own): the step fills the
+          block and never writes it again, so the key is held for that step like the
+          keys ``cache_full_blocks`` notes.
+        * Inside a block its request goes on writing (a prompt's tail with
+          partial-block prefix hits): a :class:`TailEntry` (:attr:`tails`). An
+          attention tail is published when its request releases the block after clean
+          steps; a Mamba state only through the copy vLLM makes of it
+          (:meth:`move_block_hashes`).
+
+        A block keeps one key: an entry for a block that has or awaits another is not
+        registered (None), unless ``replace_existing_hashes`` (its content was
+        replaced) drops the old one first."""
+        if block.is_null or num_tokens <= 0:
             return None
-        if num_tokens <= 0 or num_tokens % block_size:
-            if replace_existing_hashes:
-                self._maybe_evict_cached_block(block)
-            return None
-        index = num_tokens // block_size - 1
-        # vLLM's own key for the entry: the hash chained over the first num_tokens.
-        hashes = request.block_hashes
         per_hash = self.hash_block_size
+        hashes = request.block_hashes
+        units = num_tokens // per_hash
+        if units * per_hash != num_tokens or units > len(hashes):
+            return None
         suffix = group_suffix(kv_cache_group_id)
-        key = hashes[num_tokens // per_hash - 1] + suffix
-        held = self.ledger.publication_of(block.block_id)
-        if block.block_hash == key or (held is not None and held[0] == key):
+        # vLLM's own key for the entry: the hash chained over the first num_tokens.
+        key = hashes[units - 1] + suffix
+        block_id = block.block_id
+        held = self.ledger.publication_of(block_id)
+        tail = self.tails.get(block_id)
+        if (
+            block.block_hash == key
+            or (held is not None and held[0] == key)
+            or (tail is not None and tail.publication[0] == key)
+        ):
             return key  # published, or held, under this key already
         if replace_existing_hashes:
             self._maybe_evict_cached_block(block)
-        elif block.block_hash is not None or held is not None:
-            return None  # one key per block: it keeps the one it has
-        parent = hashes[(index * block_size) // per_hash - 1] + suffix if index else None
-        filled: list[int] = []
-        self._note_fills(
-            request,
-            [*[self.null_block] * index, block],
-            resolve_block_hashes(hashes, per_hash, block_size),
-            index,
-            index + 1,
-            block_size,
-            kv_cache_group_id,
-            None,
-            suffix,
-            parent,
-            self.ledger.noting,
-            filled,
-        )
-        if filled:
-            self.ledger.note(request.request_id, filled, num_tokens)
-        return key if filled or block.block_hash == key else None
+        elif block.block_hash is not None or held is not None or tail is not None:
+            return None
+        publication = (key, hashes[units - 2] + suffix if units > 1 else None, request.request_id)
+        if block.state is not _WRITTEN:
+            return None  # (quarantined by a failed step, or invalidated just above)
+        if replace_existing_hashes or num_tokens % block_size == 0:
+            block.num_hash_tokens = num_tokens
+            self.ledger.hold(request.request_id, block_id, publication, num_tokens)
+        else:
+            on_release = kv_cache_group_id not in self.state_groups
+            self.tails[block_id] = TailEntry(publication, num_tokens, on_release)
+        return key
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
         """vLLM takes every entry of ``block`` back: its content is about to be
-        replaced (a transient Mamba checkpoint overwrites the block). A publication
-        held for it is withdrawn -- the block stays its step's fill, validated or
-        quarantined with it, never published. A block already matchable is
-        invalidated (kvguard has no way back from published for a block that is
-        rewritten: it is quarantined and zeroed before reuse). Whether an entry went."""
+        replaced (a transient Mamba checkpoint overwrites the block). A key held for
+        it is withdrawn -- the block stays its step's fill, validated or quarantined
+        with it, never published. A block already matchable is invalidated (kvguard
+        has no way back from published for a block that is rewritten: it is
+        quarantined and zeroed before reuse). Whether an entry went."""
         if block.is_null:
             return False
+        if self.tails.pop(block.block_id, None) is not None:
+            return True
         if self.ledger.withdraw(block.block_id):
             return True
         key = block.block_hash
@@ -595,11 +676,34 @@ class GuardedBlockPool(BlockPool):
         return True
 
     def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
-        # Reached only through an entry inside a block (vLLM's Mamba copy-on-write of a
-        # prompt's partial tail), which cache_partial_block never registers.
-        raise GuardModeUnsupported(
-            "move_block_hashes: kvguard registers no entry inside a block, so there is none to move"
-        )
+        """vLLM's copy-on-write of a Mamba prompt tail: ``dst_block``, new, receives a
+        copy of ``src_block`` before the step being scheduled overwrites it, and takes
+        over its entry. The copy is of the state at the entry only if the steps that
+        computed it validated and no other ran since -- the request has no step in
+        flight and vouched for all it wrote: then the copy is published now (no step
+        writes it after the copy, which runs before anything reads it: vLLM holds
+        back hits on it within this step). Otherwise the entry goes (under async
+        scheduling the step that wrote the state is still in flight when vLLM copies
+        it, and vLLM returns the copy to the pool before that step reports).
+
+        vLLM then takes a reference on ``src_block`` by writing ``ref_cnt`` (held until
+        the copy ran), which kvguard does not count (:meth:`retain_for_copy`)."""
+        entry = self.tails.pop(src_block.block_id, None)
+        if entry is None:
+            self._maybe_evict_cached_block(src_block)
+            self._retain_before_vllm(src_block)
+            return
+        owner = entry.publication[2]
+        ledger = self.ledger
+        if (
+            src_block.state is _WRITTEN
+            and dst_block.state is _WRITTEN
+            and not ledger.in_flight(owner)
+            and owner not in ledger.carried.fills
+        ):
+            dst_block.num_hash_tokens = entry.num_tokens
+            self.validate_fills([dst_block.block_id], {dst_block.block_id: entry.publication})
+        self._retain_before_vllm(src_block)
 
     def unpin_blocks(self, blocks: Iterable[KVCacheBlock], on_reuse: Any) -> None:
         raise GuardModeUnsupported("unpin_blocks (read-until-reuse) in guarded mode")
@@ -622,3 +726,9 @@ class GuardedBlockPool(BlockPool):
         for block_id in self.ledger.held_blocks():
             state = self.blocks[block_id].state
             assert state is _WRITTEN, f"block {block_id} held for publication is {state.name}"
+        for block_id in self.tails:
+            block = self.blocks[block_id]
+            assert block.ref_cnt and block.state in (_WRITTEN, BlockState.QUARANTINED), (
+                f"block {block_id} with an entry inside it is {block.state.name}, "
+                f"ref_cnt={block.ref_cnt}"
+            )

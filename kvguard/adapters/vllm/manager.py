@@ -56,8 +56,8 @@ vLLM's ``align`` mode (prefix caching), the state at each block boundary in a bl
 its own: vLLM caches that block while it schedules the step that computes the boundary,
 so the guard holds its key back until that step validated, as for attention blocks. A
 checkpoint vLLM re-keys or takes back (``cache_partial_block``,
-``_maybe_evict_cached_block``) loses the key held for it; an entry inside a block is
-never registered (see ``GuardedBlockPool.cache_partial_block``)."""
+``_maybe_evict_cached_block``) loses the key held for it; an entry inside a block waits
+until nothing changes what it covers (see ``GuardedBlockPool.cache_partial_block``)."""
 
 _RUN_UNGUARDED = (
     "Run this model without the guard (KVGUARD_GUARD=0, or --additional-config "
@@ -113,6 +113,18 @@ def refuse_unguarded_groups(managers: Any) -> None:
         )
 
 
+def _guarded_cow(pool: GuardedBlockPool, apply_cow: Callable[..., None]) -> Callable[..., None]:
+    """vLLM's ``_apply_cow`` (a request hit an entry inside a block: it gets a private
+    copy), which keeps the copy by writing ``ref_cnt += 1`` until the copy ran: that
+    reference is the pool's to skip (:meth:`GuardedBlockPool.retain_for_copy`)."""
+
+    def guarded_cow(request_id: str, block_idx: int, source_block: Any, cow_block: Any) -> None:
+        apply_cow(request_id, block_idx, source_block, cow_block)
+        pool.retain_for_copy(cow_block)
+
+    return guarded_cow
+
+
 def install_guarded_pool(
     manager: Any,
     guard: GuardConfig,
@@ -142,9 +154,13 @@ def install_guarded_pool(
     )
     coordinator.block_pool = pool
     manager.block_pool = pool
+    pool.state_groups = frozenset(
+        single.kv_cache_group_id for single in managers if isinstance(single, MambaManager)
+    )
     for single in managers:
         single.block_pool = pool
         single._null_block = pool.null_block
+        single._apply_cow = _guarded_cow(pool, single._apply_cow)
     return pool
 
 

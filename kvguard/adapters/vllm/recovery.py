@@ -135,7 +135,12 @@ def roll_back_request(scheduler: Any, request: Any, boundary: int) -> None:
             if not blocks[i].is_null:
                 block_id = blocks[i].block_id
                 tails[block_id] = max(0, boundary - i * size)
-    scheduler.kvguard_pool.core.roll_back_blocks(tails)  # all or nothing
+    pool = scheduler.kvguard_pool
+    pool.core.roll_back_blocks(tails)  # all or nothing
+    for block_id in tails:
+        # An entry vLLM registered inside a rolled-back block (a prompt's tail) may
+        # cover wiped tokens: it goes; vLLM registers it again when they are recomputed.
+        pool.tails.pop(block_id, None)
     scheduler._kvguard_ledger.roll_back(req_id)
     for manager in managers:
         # vLLM cached the full blocks past the boundary when it scheduled the lost

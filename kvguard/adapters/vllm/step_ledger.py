@@ -148,6 +148,18 @@ class StepLedger:
         else:
             self.noted.fills.setdefault(request_id, []).extend(block_ids)
 
+    def hold(
+        self, request_id: str, block_id: int, publication: PendingPublication, num_tokens: int
+    ) -> None:
+        """Hold ``publication`` for ``block_id``, which the request fills now (noted as
+        :meth:`note` does, once: a key withdrawn and replaced within the step leaves the
+        block noted already)."""
+        self.noting[block_id] = publication
+        step = self.scheduling
+        fills = (step.fills if step is not None else self.noted.fills).get(request_id, ())
+        if block_id not in fills:
+            self.note(request_id, [block_id], num_tokens)
+
     def take_settled(self) -> tuple[list[int], dict[int, PendingPublication]]:
         """The settled blocks, in the order they were noted, and their publications."""
         taken = self.settled, self.settled_publications
