@@ -17,6 +17,10 @@ All are the control for the installed vLLM: each series' tests on that series on
 folder names it; a module that does not even import on another series is skipped
 whole), with the skip list :data:`SKIPPED` (by test name).
 
+The scheduler tests also run a second time under kvguard's guard, given clean outputs:
+tests/vllm/upstream_guarded/ collects them again (its conftest.py lists the tests that
+differ there, and why); it reuses :data:`SKIPPED` and :data:`OTHER_SERIES`.
+
 Run: ``HF_HUB_OFFLINE=1 VLLM_TARGET_DEVICE=cpu python -m pytest tests/vllm/upstream``.
 """
 

@@ -1,0 +1,6 @@
+"""vLLM 0.34's test_async_scheduler.py (tests/vllm/upstream/v0_34/), collected again
+under kvguard's guard: see conftest.py here."""
+
+from .guard import vendored_tests
+
+globals().update(vendored_tests("test_async_scheduler"))
