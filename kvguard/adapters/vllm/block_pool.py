@@ -678,9 +678,9 @@ class GuardedBlockPool(BlockPool):
     def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
         """vLLM's copy-on-write of a Mamba prompt tail: ``dst_block``, new, receives a
         copy of ``src_block`` before the step being scheduled overwrites it, and takes
-        over its entry. The copy is of the state at the entry only if the steps that
-        computed it validated and no other ran since -- the request has no step in
-        flight and vouched for all it wrote: then the copy is published now (no step
+        over its entry. If every step that computed the state reported and was counted
+        clean (the guarded scheduler's rule for blocks cached outside a step,
+        :attr:`StepLedger.settles`), the copy is published now (no step
         writes it after the copy, which runs before anything reads it: vLLM holds
         back hits on it within this step). Otherwise the entry goes (under async
         scheduling the step that wrote the state is still in flight when vLLM copies
@@ -693,13 +693,12 @@ class GuardedBlockPool(BlockPool):
             self._maybe_evict_cached_block(src_block)
             self._retain_before_vllm(src_block)
             return
-        owner = entry.publication[2]
-        ledger = self.ledger
+        settles = self.ledger.settles
         if (
             src_block.state is _WRITTEN
             and dst_block.state is _WRITTEN
-            and not ledger.in_flight(owner)
-            and owner not in ledger.carried.fills
+            and settles is not None
+            and settles(entry.publication[2], entry.num_tokens)
         ):
             dst_block.num_hash_tokens = entry.num_tokens
             self.validate_fills([dst_block.block_id], {dst_block.block_id: entry.publication})
