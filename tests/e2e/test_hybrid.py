@@ -124,7 +124,7 @@ if HAVE_ENGINE:
             shared=240,
             stock_hit=224,
             # B's checkpoints past 192 are at its own prompt's boundaries (its tail:
-            # 256); none at 224 (kvguard registers no entry inside a block anyway).
+            # 256); none at 224, where the retry's prompt would need one.
             retry_hit=192,
         ),
         # Chunks of one 32-token block each; checkpoints at every 32.
