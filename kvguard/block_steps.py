@@ -16,6 +16,7 @@ from kvguard.errors import PoolMisuseError, UnknownBlockError
 from kvguard.hashing import BlockHash
 from kvguard.pool_core import PoolCore
 from kvguard.results import BlockValidation, PublishOutcome
+from kvguard.states import MATCHABLE_STATES
 
 
 class BlockSteps:
@@ -172,6 +173,30 @@ class BlockSteps:
         publication = (block_hash, parent_hash, owner)
         arguments.publication(block_id, publication)
         return self._kernel.publish_held(block_id, publication)
+
+    def disown_reference(self, block_id: int) -> None:
+        """Take back one reference an engine counted on ``block_id`` by writing the
+        record's ``ref_cnt`` itself (an engine whose blocks are kvguard's records,
+        ``block_type``: vLLM's copy-on-write keeps both ends of a copy that way until
+        the copy ran), so that the count is kvguard's references only and a block
+        being written keeps one owner. The engine's matching release must not reach
+        :meth:`release_blocks`. Raises :class:`PoolMisuseError`, changing nothing,
+        when the block is not held through :meth:`allocate_blocks` alone (shared
+        cached blocks and request tables' blocks are refused) or its count holds no
+        reference beyond its block-level ones."""
+        block = self._core.block(block_id)  # raises UnknownBlockError
+        if (
+            block.state in MATCHABLE_STATES
+            or not block.external_refs
+            or block.ref_cnt <= block.external_refs
+        ):
+            raise PoolMisuseError(
+                f"disown_reference({block.block_id}): only a block held through "
+                "allocate_blocks() alone, whose ref_cnt the engine raised beyond its "
+                f"block-level references, has one to disown ({block.state.name}, "
+                f"ref_cnt={block.ref_cnt}, block-level {block.external_refs})"
+            )
+        self._kernel.disown(block.block_id)
 
     def cached_block_id(self, block_hash: BlockHash) -> int | None:
         """The PUBLISHED/OFFLOADED block holding ``block_hash``, or None (no reference

@@ -80,6 +80,7 @@ _MUTATORS = (
     "validate_blocks",
     "fail_blocks",
     "publish_block",
+    "disown_reference",
     "begin_store",
     "ack_store",
     "fail_store",
@@ -241,6 +242,7 @@ class BlockPool:
     validate_blocks = _forwarded("_block_steps", BlockSteps.validate_blocks)
     fail_blocks = _forwarded("_block_steps", BlockSteps.fail_blocks)
     publish_block = _forwarded("_block_steps", BlockSteps.publish_block)
+    disown_reference = _forwarded("_block_steps", BlockSteps.disown_reference)
     cached_block_id = _forwarded("_block_steps", BlockSteps.cached_block_id)
 
     # The tier gate (kvguard.tier_gate).

@@ -798,6 +798,11 @@ class TransitionKernel:
             return PublishOutcome.DEFERRED
         raise IllegalTransitionError(block_id, state, _PUBLISH)
 
+    def disown(self, block_id: int) -> None:
+        """Take back a reference an engine counted by writing the record's ``ref_cnt``
+        itself (checked by the caller: one beyond kvguard's own)."""
+        self.blocks[block_id].ref_cnt -= 1
+
     def fail(self, block_ids: Sequence[int]) -> list[int]:
         """A step that wrote these blocks failed: every WRITTEN one is QUARANTINED
         (never published, never stored, zeroed before reuse); others keep their state.

@@ -313,6 +313,7 @@ def entry_points(w: World) -> dict[str, dict[str, tuple[str, object]]]:
             "parent_hash": ("optional_hash", None),
             "owner": ("owner", ""),
         },
+        "disown_reference": {"block_id": ("count", ext[0])},
         "begin_store": {"block_id": ("count", pub[0]), "tier": ("tier", "cpu")},
         "ack_store": {"ticket": ("ticket", w.ticket)},
         "fail_store": {"ticket": ("ticket", w.ticket)},

@@ -431,3 +431,23 @@ def test_a_malformed_publication_is_refused_before_anything_changes(
             pool.publish_block(a, block_hash, parent, owner=owner)  # type: ignore[arg-type]
     assert pool.snapshot() == before
     assert pool.validate_blocks([a, b]).validated == (a, b)
+
+
+def test_a_reference_the_engine_wrote_itself_is_disowned() -> None:
+    """An engine whose blocks are kvguard's records raised ``ref_cnt`` itself (vLLM's
+    copy-on-write): disown_reference takes it back, and a block being written keeps
+    one owner; with no such reference it is refused, changing nothing."""
+    pool = _pool()
+    (b,) = pool.allocate_blocks(1, write=True)
+    record = pool.block_records[b]
+    with pytest.raises(PoolMisuseError, match="has one to disown"):
+        pool.disown_reference(b)
+    assert record.ref_cnt == 1
+    record.ref_cnt += 1  # the engine's own write
+    pool.disown_reference(b)
+    assert record.ref_cnt == 1
+    pool.check_invariants()
+    pool.release_blocks([b])
+    assert _state(pool, b) is BlockState.QUARANTINED
+    with pytest.raises(PoolMisuseError):
+        pool.disown_reference(b)

@@ -231,6 +231,7 @@ def _vllm_moves_the_tail(pool: Any, src: Any) -> Any:
     (dst,) = pool.get_new_blocks(1)
     pool.move_block_hashes(src, dst)
     src.ref_cnt += 1
+    pool.retain_for_copy(src)  # (the guarded allocation's wrapper, once vLLM returns)
     return dst
 
 

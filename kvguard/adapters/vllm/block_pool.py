@@ -512,29 +512,25 @@ class GuardedBlockPool(BlockPool):
         copy-on-write's endpoint until the copy ran (``_apply_cow``), and will release
         it through :meth:`free_blocks`. kvguard does not count it -- a block being
         written has one owner, and the copy runs in the step being scheduled, before
-        any block freed now is reused -- so the increment is undone and that release
+        any block freed now is reused -- so the reference is disowned and that release
         skipped."""
-        block.ref_cnt -= 1
-        self.retentions[block.block_id] = self.retentions.get(block.block_id, 0) + 1
-
-    def _retain_before_vllm(self, block: Any) -> None:
-        """:meth:`retain_for_copy` for the reference vLLM takes right after this call
-        returns (``move_block_hashes``' caller writes ``ref_cnt += 1`` next): the
-        count is one short until then, and no kvguard call comes in between."""
-        self.retain_for_copy(block)
+        self.core.disown_reference(block.block_id)
+        block_id = block.block_id
+        self.retentions[block_id] = self.retentions.get(block_id, 0) + 1
 
     def _skip_retentions(self, released: list[KVCacheBlock]) -> list[KVCacheBlock]:
         """``released`` without the releases of references kvguard did not count."""
         retentions = self.retentions
         kept = []
         for block in released:
-            left = retentions.get(block.block_id)
+            block_id = block.block_id
+            left = retentions.get(block_id)
             if left is None:
                 kept.append(block)
             elif left > 1:
-                retentions[block.block_id] = left - 1
+                retentions[block_id] = left - 1
             else:
-                del retentions[block.block_id]
+                del retentions[block_id]
         return kept
 
     def _settle_tails(self, ids: list[int], steps_passed: bool) -> None:
@@ -687,11 +683,11 @@ class GuardedBlockPool(BlockPool):
         it, and vLLM returns the copy to the pool before that step reports).
 
         vLLM then takes a reference on ``src_block`` by writing ``ref_cnt`` (held until
-        the copy ran), which kvguard does not count (:meth:`retain_for_copy`)."""
+        the copy ran), which kvguard does not count (:meth:`retain_for_copy`, called
+        once vLLM's allocation returns: ``install_guarded_pool`` wraps it)."""
         entry = self.tails.pop(src_block.block_id, None)
         if entry is None:
             self._maybe_evict_cached_block(src_block)
-            self._retain_before_vllm(src_block)
             return
         settles = self.ledger.settles
         if (
@@ -702,7 +698,6 @@ class GuardedBlockPool(BlockPool):
         ):
             dst_block.num_hash_tokens = entry.num_tokens
             self.validate_fills([dst_block.block_id], {dst_block.block_id: entry.publication})
-        self._retain_before_vllm(src_block)
 
     def unpin_blocks(self, blocks: Iterable[KVCacheBlock], on_reuse: Any) -> None:
         raise GuardModeUnsupported("unpin_blocks (read-until-reuse) in guarded mode")

@@ -125,6 +125,26 @@ def _guarded_cow(pool: GuardedBlockPool, apply_cow: Callable[..., None]) -> Call
     return guarded_cow
 
 
+def _guarded_mamba_allocation(pool: GuardedBlockPool, manager: Any) -> Callable[..., Any]:
+    """The Mamba manager's ``allocate_new_blocks``, which, for a request whose prompt
+    tail it copies (``move_block_hashes``), keeps the source block by writing its
+    ``ref_cnt += 1`` until the copy ran: that reference is the pool's to skip too.
+    (The source is still in the request's block table there, unlike in
+    ``_apply_cow``, where the copy replaced it.)"""
+    allocate = manager.allocate_new_blocks
+
+    def allocate_new_blocks(request_id: str, *args: Any, **kwargs: Any) -> Any:
+        before = len(manager._pending_cow_copies)
+        blocks = allocate(request_id, *args, **kwargs)
+        table = manager.req_to_blocks.get(request_id, ())
+        for source, _ in manager._pending_cow_copies[before:]:
+            if any(block is source for block in table):
+                pool.retain_for_copy(source)
+        return blocks
+
+    return allocate_new_blocks
+
+
 def install_guarded_pool(
     manager: Any,
     guard: GuardConfig,
@@ -161,6 +181,8 @@ def install_guarded_pool(
         single.block_pool = pool
         single._null_block = pool.null_block
         single._apply_cow = _guarded_cow(pool, single._apply_cow)
+        if isinstance(single, MambaManager):
+            single.allocate_new_blocks = _guarded_mamba_allocation(pool, single)
     return pool
 
 
