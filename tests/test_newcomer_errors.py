@@ -162,7 +162,7 @@ INTEGER_ARGS = [
 
 
 def test_the_integer_sweep_covers_every_int_argument() -> None:
-    assert len(INTEGER_ARGS) == 18
+    assert len(INTEGER_ARGS) == 19
     valid = entry_points(World())
     for method, arg in INTEGER_ARGS:
         value = INT_VALUES.get((method, arg), valid[method][arg][1])
