@@ -38,10 +38,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not HAVE_ENGINE, reason=SKIP_R
 
 if HAVE_ENGINE:
     from .engine import (
-        BLOCK,
-        CHUNK,
         ENGINE_KWARGS,
-        NUM_BLOCKS,
         engine_env,
         generate,
         tokens,
@@ -144,9 +141,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _flags(model_dir: str, port: int) -> list[str]:
-    kw = ENGINE_KWARGS
-    return [
+def _flags(model_dir: str, port: int, kw: dict[str, Any] | None = None) -> list[str]:
+    """``vllm serve``'s flags for an engine built as ``LLM(model_dir, **kw)``
+    (default: :data:`ENGINE_KWARGS`)."""
+    kw = ENGINE_KWARGS if kw is None else kw
+    flags = [
         "--model",
         model_dir,
         "--host",
@@ -158,31 +157,47 @@ def _flags(model_dir: str, port: int) -> list[str]:
         "--dtype",
         kw["dtype"],
         "--block-size",
-        str(BLOCK),
+        str(kw["block_size"]),
         "--max-model-len",
         str(kw["max_model_len"]),
         "--max-num-batched-tokens",
-        str(CHUNK),
+        str(kw["max_num_batched_tokens"]),
         "--max-num-seqs",
         str(kw["max_num_seqs"]),
         "--enforce-eager",
         "--num-gpu-blocks-override",
-        str(NUM_BLOCKS),
+        str(kw["num_gpu_blocks_override"]),
         "--seed",
         str(kw["seed"]),
         "--hf-overrides",
         json.dumps(kw["hf_overrides"]),
     ]
+    # A hybrid model's settings (tests/e2e/engine.py's GDN_ENGINE_KWARGS).
+    if "mamba_ssm_cache_dtype" in kw:
+        flags += ["--mamba-ssm-cache-dtype", kw["mamba_ssm_cache_dtype"]]
+    if "prefix_cache_retention_interval" in kw:
+        interval = kw["prefix_cache_retention_interval"]  # None: keep every checkpoint
+        flags += ["--prefix-cache-retention-interval", str(interval)]
+    return flags
 
 
-def _start(name: str, model_dir: str, guard: bool, log_dir: str) -> Server:
+def _start(
+    name: str,
+    model_dir: str,
+    guard: bool,
+    log_dir: str,
+    kw: dict[str, Any] | None = None,
+    extra: Sequence[str] = (),
+) -> Server:
+    """``vllm serve`` of ``model_dir`` as ``LLM(model_dir, **kw)`` with ``extra`` flags."""
     port = _free_port()
+    flags = [*_flags(model_dir, port, kw), *extra]
     env = {**os.environ, **engine_env(guard)}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     log = os.path.join(log_dir, f"{name}.log")
     with open(log, "wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *_flags(model_dir, port)],
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *flags],
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
