@@ -1,0 +1,6 @@
+"""vLLM 0.34's test_single_type_kv_cache_manager.py (tests/vllm/upstream/v0_34/), collected
+again on kvguard's guarded pool; conftest.py here says which of its tests run, and how."""
+
+from .guard import vendored_tests
+
+globals().update(vendored_tests("test_single_type_kv_cache_manager"))
