@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import random
 import tempfile
@@ -150,6 +151,8 @@ def make_scheduler(
     block_size: int = BLOCK,
     encoder_decoder: bool = False,
     hash_block_size: int | None = None,
+    mamba_block_size: int | None = None,
+    mamba_cache_mode: str | None = None,
 ) -> Any:
     """A real scheduler; ``groups`` names its KV cache groups' kinds in order:
     ``"full"`` (full attention), ``"sliding"`` (a ``window``-token sliding window),
@@ -167,7 +170,14 @@ def make_scheduler(
     :func:`make_request` it as its ``block_size``). ``encoder_decoder``: a Whisper-like
     encoder-decoder model (vLLM then chunks no prefill and caches no prefix: pass
     ``prefix_caching=False`` and a ``max_num_batched_tokens`` that holds a prompt),
-    whose requests carry an encoder input (:func:`make_request`'s ``encoder_tokens``)."""
+    whose requests carry an encoder input (:func:`make_request`'s ``encoder_tokens``).
+    ``mamba_block_size``: the block size of the ``"mamba"``/``"mamba2"`` groups (default
+    ``block_size``); vLLM's own config gives them ``max_model_len`` (1024 here) without
+    prefix caching, one state block per request. ``mamba_cache_mode``: vLLM's
+    ``CacheConfig.mamba_cache_mode``, which vLLM's config sets for a hybrid model
+    (``"align"`` with prefix caching: the scheduler then ends prefill chunks where a
+    state is cached, on block boundaries); default: as vLLM sets it, ``"align"`` for a
+    model with a Mamba group and prefix caching, else ``CacheConfig``'s own."""
     vllm_config = make_vllm_config(
         async_scheduling=async_scheduling,
         num_blocks=num_blocks,
@@ -181,16 +191,27 @@ def make_scheduler(
         block_size=block_size,
         encoder_decoder=encoder_decoder,
     )
+    if mamba_cache_mode is None and prefix_caching and {"mamba", "mamba2"} & set(groups):
+        mamba_cache_mode = "align"
+    if mamba_cache_mode is not None:
+        vllm_config.cache_config.mamba_cache_mode = mamba_cache_mode
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
         kv_cache_groups=[
             KVCacheGroupSpec(
-                [f"layer{i}"], _kv_cache_spec(kind, window, block_size, prefix_caching)
+                [f"layer{i}"],
+                _kv_cache_spec(
+                    kind, window, block_size, prefix_caching, mamba_block_size=mamba_block_size
+                ),
             )
             for i, kind in enumerate(groups)
         ],
     )
+    scheduler_block_size = block_size
+    if mamba_block_size and {"mamba", "mamba2"} & set(groups):
+        # vLLM schedules (and hashes) in the LCM of the groups' block sizes.
+        scheduler_block_size = math.lcm(block_size, mamba_block_size)
     if guarded:
         cls: type = GuardedAsyncScheduler if async_scheduling else GuardedScheduler
     else:
@@ -199,7 +220,7 @@ def make_scheduler(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=block_size,
+        block_size=scheduler_block_size,
         log_stats=True,
         **({"hash_block_size": hash_block_size} if hash_block_size else {}),
     )
@@ -214,7 +235,14 @@ def make_scheduler(
     return scheduler
 
 
-def _kv_cache_spec(kind: str, window: int, block_size: int, prefix_caching: bool) -> Any:
+def _kv_cache_spec(
+    kind: str,
+    window: int,
+    block_size: int,
+    prefix_caching: bool,
+    *,
+    mamba_block_size: int | None = None,
+) -> Any:
     shape: dict[str, Any] = {
         "block_size": block_size,
         "num_kv_heads": 1,
@@ -238,7 +266,7 @@ def _kv_cache_spec(kind: str, window: int, block_size: int, prefix_caching: bool
     if kind in ("mamba", "mamba2"):
         checkpoints = {"num_prefill_checkpoint_blocks": 1, "prefill_checkpoint_alignment": 1}
         return MambaSpec(
-            block_size=block_size,
+            block_size=mamba_block_size or block_size,
             shapes=((1,),),
             dtypes=(torch.float32,),
             mamba_cache_mode="align" if prefix_caching else "none",

@@ -181,8 +181,10 @@ def test_a_same_prefix_request_hits_exactly_the_validated_prefix(guarded: bool) 
 
 
 TAIL_PROMPT = PROMPT[: 5 * BLOCK + 4]
-"""84 tokens in one step (blocks of 32, a prefix-match unit of 16): the running Mamba
-state, at 84, sits in block 2; the prompt's last prefix-match boundary is 80."""
+"""84 tokens, blocks of 32, a prefix-match unit of 16: vLLM's align mode computes 0..63
+(two whole blocks), then 64..79, up to the prompt's last prefix-match boundary, and
+registers the state at 80 -- in block 2, which the request goes on writing -- as an
+entry inside the block (``cache_partial_block``); then 80..83."""
 
 
 def _tail_scheduler() -> Any:
@@ -190,24 +192,34 @@ def _tail_scheduler() -> Any:
         groups=HYBRID, block_size=2 * BLOCK, hash_block_size=BLOCK, max_num_batched_tokens=256
     )
     s.add_request(make_request("a", TAIL_PROMPT, max_tokens=4))
+    step(s)  # 0..63
     return s
+
+
+def _tail(s: Any) -> tuple[Any, bytes]:
+    """The running Mamba block of a, once vLLM registered the state at 80 in it, and
+    the key vLLM was given for that entry."""
+    pool = s.kvguard_pool
+    running = pool.blocks[_mamba_blocks(s, "a")[-1]]
+    tail = pool.tails[running.block_id]
+    assert tail.num_tokens == 5 * BLOCK and not tail.on_release
+    return running, tail.publication[0]
 
 
 def test_an_entry_inside_a_running_block_is_held_not_matchable() -> None:
     """A prompt's tail inside a block its request still writes: registered (vLLM gets
-    its key) but not matchable; a checkpoint exported into a published block replaces
-    what the block's key promised, which goes."""
+    its key) but not matchable, also once the step that computed it validated."""
     s = _tail_scheduler()
-    step(s)
+    step(s)  # 64..79: vLLM registers the state at 80
     pool = s.kvguard_pool
     request = s.requests["a"]
-    running = pool.blocks[_mamba_blocks(s, "a")[-1]]
-    key = pool.cache_partial_block(request, running, 5 * BLOCK, 0, 2 * BLOCK)
+    running, key = _tail(s)
     assert key == request.block_hashes[4] + bytes(4)
-    assert running.block_id in pool.tails and running.block_hash is None
+    assert running.block_hash is None
     assert pool.get_cached_block(request.block_hashes[4], [0]) is None
     # Again: vLLM is handed the same key, nothing changes.
     assert pool.cache_partial_block(request, running, 5 * BLOCK, 0, 2 * BLOCK) == key
+    assert pool.get_cached_block(request.block_hashes[4], [0]) is None
     pool.check_consistency()
 
 
@@ -237,10 +249,9 @@ def _vllm_moves_the_tail(pool: Any, src: Any) -> Any:
 
 def test_a_mamba_tail_moves_to_its_copy_published_once_its_state_validated() -> None:
     s = _tail_scheduler()
-    step(s)
+    step(s)  # 64..79, validated: the state at 80 is clean
     pool = s.kvguard_pool
-    src = pool.blocks[_mamba_blocks(s, "a")[-1]]
-    key = pool.cache_partial_block(s.requests["a"], src, 5 * BLOCK, 0, 2 * BLOCK)
+    src, key = _tail(s)
     dst = _vllm_moves_the_tail(pool, src)
     assert dst.block_hash == key and _core(s).block_state(dst.block_id) is BlockState.PUBLISHED
     pool.free_blocks([src, dst])  # vLLM: the copy ran
@@ -254,10 +265,9 @@ def test_a_mamba_tail_whose_state_is_in_flight_is_not_moved() -> None:
     still in flight: the entry goes, and the copy -- released before that step reports
     -- is quarantined."""
     s = _tail_scheduler()
-    so = s.schedule()
+    so = s.schedule()  # 64..79, in flight
     pool = s.kvguard_pool
-    src = pool.blocks[_mamba_blocks(s, "a")[-1]]
-    key = pool.cache_partial_block(s.requests["a"], src, 5 * BLOCK, 0, 2 * BLOCK)
+    src, key = _tail(s)
     dst = _vllm_moves_the_tail(pool, src)
     pool.free_blocks([src, dst])
     assert dst.block_hash is None and src.ref_cnt == 1
