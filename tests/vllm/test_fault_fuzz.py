@@ -3,7 +3,8 @@ the KV bytes.
 
 Each trace runs requests with shared prefixes through a small pool (so vLLM preempts),
 chunked prefill and decode, on full-attention, sliding-window, chunked-local and R-SWA
-groups, sync and async, with prefix caching on and off, optionally behind the
+groups and on hybrid models (a Mamba or Mamba2 state group beside full attention),
+sync and async, with prefix caching on and off, optionally behind the
 guarded offloading connector and optionally with speculative decoding (drafts that the
 model accepts or rejects), while outputs randomly carry NaN counts, come back without a
 count, and clients abort requests (mid-step under async). The test keeps its own record
@@ -24,6 +25,20 @@ finished before the output arrived). At every step it checks what docs/design.md
   or stored;
 * kvguard's invariants and the adapter's consistency checks hold after every step,
   and when the trace ends every block but vLLM's null block is back, unreferenced.
+
+A Mamba group's blocks hold a state, overwritten in place, not KV slots: the test keeps,
+per block, the state it holds (the token prefix it is the state of, and its writer), and
+runs the worker as vLLM's does (:meth:`FaultTrace.step_state`). Each step starts from
+the state at the request's computed tokens and leaves the state after its last token in
+the block of the block table's column for that token; in ``align`` mode (prefix caching)
+it first copies the state from the column it ended at last time (at admission: the
+column of the request's computed tokens -- a prefix hit's checkpoint block) into that
+block, and a Mamba2 group's step also exports the state at the prompt's last
+checkpoint boundary into a block of its own. The same promises hold for states: a step
+starts only from the state of its own token prefix, written by steps known clean (or by
+its own steps in flight or unchecked); every published state block holds the state of
+exactly the prefix its key names, computed by clean steps; a block handed out fresh
+that holds the state of a NaN or dropped step is zeroed first.
 """
 
 from __future__ import annotations
@@ -38,7 +53,7 @@ import pytest
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
-from vllm.v1.core.kv_cache_utils import get_block_hash  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id  # noqa: E402
 from vllm.v1.kv_offload.base import LookupResult, ReqContext  # noqa: E402
 from vllm.v1.outputs import DraftTokenIds  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
@@ -67,6 +82,12 @@ SHAPES = [
     ("chunked",),
     ("full", "rswa"),
 ]
+HYBRID_SHAPES = [("mamba", "full"), ("mamba2", "full")]
+"""A Mamba state group beside full attention; ``mamba2``'s layers also export the
+state at the prompt's last checkpoint boundary inside a chunk (harness.make_scheduler)."""
+NO_CACHING_MAMBA_BLOCK = 1024
+"""The Mamba groups' block size without prefix caching: vLLM's config gives them the
+model's length (the harness's ``max_model_len``), one state block per request."""
 
 Writer = tuple[int, str, int]
 """(step, request id, incarnation of the request) that wrote a KV slot."""
@@ -80,10 +101,15 @@ class KvModel:
     """What each block's slots hold, and what became of the steps that wrote them."""
 
     slots: dict[int, list[Slot]] = field(default_factory=dict)
+    states: dict[int, tuple[int, Writer]] = field(default_factory=dict)
+    """Mamba groups: the state a block holds (the token prefix's id, its writer)."""
     fate: dict[Writer, str] = field(default_factory=dict)
     """"pending", "clean", "unchecked", "nan" or "dropped"."""
     unchecked: dict[tuple[str, int], list[Writer]] = field(default_factory=dict)
     """Writers counted neither way, per request incarnation, until a step vouches."""
+    incarnation: dict[str, int] = field(default_factory=dict)
+    """Each request's incarnation now: a step of an earlier one still in flight or
+    unchecked is as good as dropped (no output will ever vouch for it)."""
 
     def slot(self, block_id: int, offset: int) -> Slot:
         return self.slots.setdefault(block_id, [None] * BLOCK)[offset]
@@ -93,13 +119,22 @@ class KvModel:
 
     def zero(self, block_id: int) -> None:
         self.slots[block_id] = [None] * BLOCK
+        self.states.pop(block_id, None)
+
+    def failed(self, w: Writer) -> bool:
+        """The step failed, or never reports for its request (it left or restarted)."""
+        fate = self.fate[w]
+        if fate in ("nan", "dropped"):
+            return True
+        return fate in ("pending", "unchecked") and w[2] != self.incarnation.get(w[1], w[2])
 
     def poisoned(self, block_id: int) -> bool:
-        """Holds KV of a step that failed or never reported (must be zeroed on reuse)."""
-        return any(
-            s is not None and self.fate[s[1]] in ("nan", "dropped")
-            for s in self.slots.get(block_id, ())
-        )
+        """Holds KV or a state of a step that failed or never reports (must be zeroed
+        on reuse)."""
+        state = self.states.get(block_id)
+        if state is not None and self.failed(state[1]):
+            return True
+        return any(s is not None and self.failed(s[1]) for s in self.slots.get(block_id, ()))
 
 
 def _prefix_ids(tokens: Sequence[int], h: int = 0) -> list[int]:
@@ -137,6 +172,14 @@ class FaultTrace:
     ) -> None:
         self.rng = rng = random.Random(seed)
         self.async_scheduling = async_scheduling
+        # Mamba groups: their block size, and the worker's state column per request.
+        self.state_groups = {g for g, kind in enumerate(groups) if kind in ("mamba", "mamba2")}
+        self.state_block = BLOCK if prefix_caching else NO_CACHING_MAMBA_BLOCK
+        self.state_align = prefix_caching  # vLLM's mamba_cache_mode "align", else "none"
+        self.state_checkpoints = "mamba2" in groups
+        self.state_col: dict[str, int] = {}
+        """Request -> the block-table column its last step left its state in (the
+        worker's running state index), from its admission on."""
         # A pool small enough that vLLM preempts (a local chunk alone needs few blocks).
         self.s = self.make_scheduler(
             spec_tokens,
@@ -145,6 +188,14 @@ class FaultTrace:
             num_blocks=12 if groups == ("chunked",) else 22,
             max_num_seqs=8,
             prefix_caching=prefix_caching,
+            **(
+                {
+                    "mamba_block_size": self.state_block,
+                    "mamba_cache_mode": "align" if self.state_align else "none",
+                }
+                if self.state_groups
+                else {}
+            ),
             kv_transfer_config=(
                 _offloading_config(
                     load_failure_policy=load_failure_policy or "fail",
@@ -188,9 +239,15 @@ class FaultTrace:
         # With offloading, a second wave comes back to the prefixes after the small GPU
         # pool evicted them, and loads them from the CPU tier.
         waves = [(0, 12)] + [(40, 60)] * offload
+        prompts: list[list[int]] = []
         for i in range(14 * len(waves)):
             prompt = rng.choice(prefixes)[: rng.randrange(BLOCK, 2 * BLOCK + 1)]
             prompt = prompt + [rng.randrange(1000, 50_000) for _ in range(rng.randrange(1, 50))]
+            if self.state_groups and prompts and rng.random() < 0.3:
+                # A Mamba state is cached where a step ends on a block boundary (the
+                # prompt's last one, say): the same prompt again hits it.
+                prompt = list(rng.choice(prompts))
+            prompts.append(prompt)
             max_tokens = rng.randrange(4, 60)
             arrival = rng.randrange(*waves[i // 14])
             self.arrivals.setdefault(arrival, []).append((f"r{i}", prompt, max_tokens))
@@ -198,8 +255,8 @@ class FaultTrace:
             # the request's last output token.
             extra = 2 * (spec_tokens + 1) if spec_tokens else 0
             self.expected[f"r{i}"] = _prefix_ids(prompt + [TOKEN] * (max_tokens + extra))
-        self.kv = KvModel()
         self.incarnation = dict.fromkeys(self.expected, 0)
+        self.kv = KvModel(incarnation=self.incarnation)
         self.finished: set[str] = set()
         self.seen = {
             "nan": 0,
@@ -212,6 +269,12 @@ class FaultTrace:
             "load_failures": 0,
             "drafts_accepted": 0,
             "drafts_rejected": 0,
+            "state_reads": 0,
+            "state_hits": 0,
+            "state_copies": 0,
+            "state_checkpoints": 0,
+            "states_published": 0,
+            "states_zeroed": 0,
         }
 
     @staticmethod
@@ -294,24 +357,40 @@ class FaultTrace:
             self.retire(req_id)
         zeroed = set(so.new_block_ids_to_zero or ())
         self.check_zeroed_blocks_have_one_owner(zeroed)
+        # (Copy-on-write copies come only with partial-block prefix hits, which these
+        # traces do not run: the model would have to copy them.)
+        assert not getattr(so, "kv_cache_block_copies", None), "a CoW copy the model ignores"
         starts = self.worker_starts(so)
+        admitted = {new.req_id: new.num_computed_tokens for new in so.scheduled_new_reqs}
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):  # (vLLM 0.33 sends resumed ones here)
+            if req_id in getattr(cached, "resumed_req_ids", ()):
+                admitted[req_id] = cached.num_computed_tokens[i]
+        for req_id, computed in admitted.items():
+            # The worker seeds a new (or resumed) request's state column from its
+            # computed tokens: -1, a fresh state; else the prefix hit's block.
+            self.state_col[req_id] = (computed - 1) // self.state_block
         for req_id, n in so.num_scheduled_tokens.items():
             start = s.requests[req_id].num_computed_tokens - n
             old = tables_before.get(req_id, ())
             for g, blocks in enumerate(manager.get_block_ids(req_id)):
+                size = self.state_block if g in self.state_groups else BLOCK
                 fresh = [
                     b
                     for i, b in enumerate(blocks)
-                    if b != NULL and i * BLOCK >= start and not (old and b in old[g])
+                    if b != NULL and i * size >= start and not (old and b in old[g])
                 ]
                 for b in fresh:  # handed out for this step to write into
                     assert b in zeroed or not self.kv.poisoned(b), (
-                        f"block {b} reused unzeroed with failed KV"
+                        f"block {b} reused unzeroed with failed KV (or Mamba state)"
                     )
-                self.check_reads(req_id, blocks, starts[req_id])
+                if g not in self.state_groups:  # (a state is read in step_state)
+                    self.check_reads(req_id, blocks, starts[req_id])
             if start > 0 and not any(old):
                 self.seen["hit_tokens"] += start  # a prefix hit at admission or resumption
         for b in zeroed:
+            if b in self.kv.states and self.kv.poisoned(b):
+                self.seen["states_zeroed"] += 1
             self.kv.zero(b)
         if self.offload:
             self.transfer(so)
@@ -334,7 +413,10 @@ class FaultTrace:
                 key = (req_id, w[2])
                 rejected = len(drafts) - _accepted(drafts)
                 self.rejected_in_flight[key] = self.rejected_in_flight.get(key, 0) + rejected
-            for blocks in manager.get_block_ids(req_id):
+            for g, blocks in enumerate(manager.get_block_ids(req_id)):
+                if g in self.state_groups:
+                    self.step_state(req_id, g, blocks, start, n, w, hashed)
+                    continue
                 for p, prefix in enumerate(ids, start):
                     b = blocks[p // BLOCK]
                     assert b != NULL and not hashed[b], (
@@ -343,6 +425,104 @@ class FaultTrace:
                     )
                     self.kv.write(b, p % BLOCK, prefix, w)
         return so, writers
+
+    def step_state(
+        self,
+        req_id: str,
+        group: int,
+        blocks: list[int],
+        start: int,
+        n: int,
+        w: Writer,
+        hashed: list[bool],
+    ) -> None:
+        """What the worker does with a Mamba group's state for the step computing
+        tokens ``start..start+n`` of ``req_id`` (``blocks``: the group's block table).
+
+        vLLM's worker keeps per request the column of the block its state is in (seeded
+        at admission, :meth:`schedule`). In ``align`` mode, before the forward, it copies
+        the state from that column into the block of the column of the step's last
+        token, ``cdiv(end, block) - 1``, if that is another
+        (``preprocess_mamba_align_fused_kernel`` / ``precopy_mamba_align_fused_kernel``);
+        the step starts from the state there -- or from a fresh state at token 0
+        (``has_initial_states``) -- and leaves its final state there. A Mamba2 group also
+        exports the state at the prompt's checkpoint boundary into the block vLLM
+        reserved for it (``compute_mamba_prefill_checkpoints``). Without prefix caching
+        (``none``) the one block of the request holds the state, read and written in
+        place."""
+        kv, ids = self.kv, self.expected[req_id]
+        size, end = self.state_block, start + n
+        col = -(-end // size) - 1
+        target = blocks[col]
+        assert target != NULL, f"{req_id}'s state for {end} tokens goes to the null block"
+        src = self.state_col[req_id]
+        if self.state_align and src >= 0 and src != col:
+            source = blocks[src]
+            assert source != NULL, (
+                f"{req_id}'s state at column {src} was freed before its step copied it"
+            )
+            held = kv.states.get(source)
+            if held is None:
+                kv.states.pop(target, None)
+            else:
+                kv.states[target] = held
+            self.seen["state_copies"] += 1
+        if start > 0:
+            self.check_state_read(req_id, target, start)
+        elif src >= 0:
+            raise AssertionError(f"{req_id} starts afresh with a state column {src}")
+        if self.state_checkpoints and self.state_align:
+            position = self.checkpoint_position(group, end, n)
+            if position:
+                b = blocks[-(-end // size) - 2]
+                if b != NULL:
+                    assert not hashed[b], f"{req_id}'s checkpoint goes to published block {b}"
+                    kv.states[b] = (ids[position - 1], w)
+                    self.seen["state_checkpoints"] += 1
+        assert not hashed[target], f"{req_id}'s step writes its state into published block {target}"
+        kv.states[target] = (ids[end - 1], w)
+        self.state_col[req_id] = col
+
+    def check_state_read(self, req_id: str, block_id: int, computed: int) -> None:
+        """The step starts from the state of its own prefix of ``computed`` tokens,
+        written by a step known clean, or by its own (same incarnation) step still in
+        flight or unchecked."""
+        held = self.kv.states.get(block_id)
+        assert held is not None, f"{req_id} starts from an empty state (block {block_id})"
+        prefix, w = held
+        assert prefix == self.expected[req_id][computed - 1], (
+            f"{req_id} starts at {computed} from another prefix's state (block {block_id})"
+        )
+        fate = self.kv.fate[w]
+        own = w[1] == req_id and w[2] == self.incarnation[req_id]
+        assert fate == "clean" or (own and fate in ("pending", "unchecked")), (
+            f"{req_id} starts at {computed} from the state of a step that is {fate} ({w})"
+        )
+        self.seen["state_reads"] += 1
+        if w[1] != req_id:
+            self.seen["state_hits"] += 1  # another request's published state
+
+    def checkpoint_position(self, group: int, end: int, n: int) -> int:
+        """Where the worker exports a Mamba2 checkpoint in a step ending at ``end``
+        after ``n`` tokens (0: none): vLLM's own rule, as its backends call it."""
+        from vllm.model_executor.layers.mamba.checkpoint import (
+            compute_mamba_prefill_checkpoints,
+        )
+
+        manager = self.manager.coordinator.single_type_managers[group]
+        spec = manager.kv_cache_spec
+        pool = self.s.kvguard_pool
+        (offset,), _ = compute_mamba_prefill_checkpoints(
+            [end],
+            [n],
+            hash_block_size=pool.hash_block_size,
+            mamba_block_size=spec.block_size,
+            checkpoint_alignment=spec.prefill_checkpoint_alignment,
+            drop_eagle_block=False,
+            cache_hit_alignment_tokens=manager.cache_hit_alignment_tokens,
+            num_hash_lookahead_tokens=getattr(pool, "num_hash_lookahead_tokens", 0),
+        )
+        return end - n + offset if offset else 0
 
     def worker_starts(self, so: Any) -> dict[str, int]:
         """Where the worker writes each scheduled request's tokens: from its computed
@@ -391,15 +571,31 @@ class FaultTrace:
         published = self.published
         for block in self.s.kvguard_pool.blocks:
             b, key = block.block_id, block.block_hash
-            if key is None or published.get(b) == key:
+            if key is None:
+                published.pop(b, None)  # (checked afresh if published again)
+                continue
+            if published.get(b) == key:
                 continue
             published[b] = key
             ids = self.hash_prefix_ids(get_block_hash(key))
+            if get_group_id(key) in self.state_groups:
+                self.check_published_state(b, ids[-1])
+                continue
             for offset, slot in enumerate(self.kv.slots.get(b, [None] * BLOCK)):
                 assert slot is not None, f"published block {b} has an empty slot {offset}"
                 assert slot[0] == ids[offset], f"published block {b} holds another prefix's KV"
                 fate = self.kv.fate[slot[1]]
                 assert fate == "clean", f"published block {b} holds KV of a {fate} step"
+
+    def check_published_state(self, block_id: int, prefix: int) -> None:
+        """A published Mamba block holds the state of exactly the prefix its key names
+        (the one ending at the key's boundary), computed by steps known clean."""
+        held = self.kv.states.get(block_id)
+        assert held is not None, f"published state block {block_id} holds no state"
+        assert held[0] == prefix, f"published state block {block_id} holds another prefix's state"
+        fate = self.kv.fate[held[1]]
+        assert fate == "clean", f"published state block {block_id} holds the state of a {fate} step"
+        self.seen["states_published"] += 1
 
     def block_prefix_ids(self, req_id: str, block_id: int) -> list[int] | None:
         """The prefix ids of the tokens a block holds for a request: those its key
@@ -624,6 +820,44 @@ def test_random_fault_traces_keep_every_promise(
     assert totals["nan"] > 0 and totals["unchecked"] > 0 and totals["preempted"] > 0
     assert totals["aborted"] > 0
     assert (totals["hit_tokens"] > 0) == prefix_caching
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["align", "none"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("groups", HYBRID_SHAPES, ids=["+".join(g) for g in HYBRID_SHAPES])
+def test_random_fault_traces_on_hybrid_models_keep_every_promise(
+    groups: tuple[str, ...], async_scheduling: bool, prefix_caching: bool
+) -> None:
+    """The same traces on a hybrid model: a Mamba (or Mamba2) state group beside full
+    attention, with prefix caching (vLLM's ``align`` mode: a state block per block
+    boundary, published once its step validated) and without (``none``: one state
+    block per request). Besides the attention checks, every step starts from a state of
+    its own prefix by clean steps (or its own in flight), every published state block
+    holds exactly the state its key names, and a fresh block holding a failed step's
+    state is zeroed.
+
+    Not run on hybrids: offloading (kvguard holds a Mamba state back when vLLM offers
+    it to a connector, ``boundary_state_offloads``, so no state reaches the CPU tier --
+    docs/vllm.md's limitations -- and the attention half is what the offloading traces
+    check), and speculative decoding (Mamba groups take drafts only through the
+    model's speculative state blocks, ``num_speculative_blocks``, with MTP/EAGLE
+    drafters whose accepted-token state copies the worker makes after the step:
+    neither the n-gram drafts these traces use nor the model here has them)."""
+    if "mamba2" in groups:  # the worker's checkpoint rule, which the model runs
+        pytest.importorskip("vllm.model_executor.layers.mamba.checkpoint")
+    totals = _run_traces(8, groups, async_scheduling, prefix_caching=prefix_caching)
+    assert totals["nan"] > 0 and totals["unchecked"] > 0 and totals["preempted"] > 0
+    assert totals["aborted"] > 0 and totals["state_reads"] > 0
+    assert (totals["hit_tokens"] > 0) == prefix_caching
+    if prefix_caching:
+        # Requests start from states other requests computed, published states were
+        # checked, and the worker copied states between blocks.
+        assert totals["state_hits"] > 0 and totals["states_published"] > 0
+        assert totals["state_copies"] > 0
+        assert (totals["state_checkpoints"] > 0) == ("mamba2" in groups)
+    else:
+        assert totals["state_hits"] == totals["states_published"] == 0
+    assert totals["states_zeroed"] > 0  # failed steps' states were zeroed before reuse
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
