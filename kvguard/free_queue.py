@@ -14,6 +14,7 @@ with r distinct retention classes in use (usually one).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 
 from sortedcontainers import SortedDict
 
@@ -165,6 +166,41 @@ class FreeQueue:
                 if not bucket:
                     self.drop_eviction_class(retention)
         return ids, num_quarantined, num_evicted
+
+    def in_order(self, after: Block | None = None) -> Iterator[int]:
+        """The queued ids in hand-out order (:meth:`take`'s), from the head, or after
+        ``after``: nothing after a block that is not queued. The queue must not change
+        while the iteration runs."""
+        quarantined, empty, classes = self.quarantined, self.empty, self.evictable
+        if after is None:
+            yield from reversed(quarantined)  # (taken from their ends)
+            yield from reversed(empty)
+            for bucket in classes.values():  # lowest retention class first
+                yield from bucket
+            return
+        block_id = after.block_id
+        if after.state is _QUARANTINED or after.state is _FREE:
+            ids = quarantined if after.state is _QUARANTINED else empty
+            try:
+                position = ids.index(block_id)  # (a C-level scan)
+            except ValueError:
+                return  # held: not queued
+            yield from reversed(ids[:position])
+            if ids is quarantined:
+                yield from reversed(empty)
+            for bucket in classes.values():
+                yield from bucket
+            return
+        retention = self.retention.get(block_id, 0)
+        bucket = classes.get(retention)
+        if bucket is None or block_id not in bucket:
+            return
+        # An OrderedDict has no positional access: one C-level copy and scan.
+        ordered = list(bucket)
+        yield from ordered[ordered.index(block_id) + 1 :]
+        for key, later in classes.items():
+            if key > retention:
+                yield from later
 
     def remove_evictable(self, block: Block) -> None:
         """Take a cached block out of the queue (a prefix hit, or an invalidation)."""

@@ -29,7 +29,7 @@ import functools
 import operator
 import os
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -97,6 +97,7 @@ _READERS = (
     "can_allocate",
     "check_invariants",
     "counters",
+    "free_block_ids",
     "get_num_free_blocks",
     "progress",
     "snapshot",
@@ -334,6 +335,18 @@ class BlockPool:
     def get_num_free_blocks(self) -> int:
         """Blocks an allocation can take now (free, quarantined and evictable)."""
         return self._kernel.free.size
+
+    def free_block_ids(self, after: int | None = None) -> Iterator[int]:
+        """The ids of the blocks an allocation can take, in the order it takes them:
+        quarantined first, then empty, then cached ones (least recently released first,
+        lowest retention class first) -- from the first, or after block ``after``
+        (nothing after a block that is held). For engines that walk the free list
+        (vLLM's lazy CPU offloading); the pool must not change while the iteration runs.
+        """
+        free = self._kernel.free
+        if after is None:
+            return free.in_order()
+        return free.in_order(self._core.block(after))
 
     def stats(self) -> PoolStats:
         kernel = self._kernel

@@ -325,6 +325,7 @@ def entry_points(w: World) -> dict[str, dict[str, tuple[str, object]]]:
         "block_state": {"block_id": ("count", 0)},
         "block_hash": {"block_id": ("count", 0)},
         "cached_block_id": {"block_hash": ("hash", h)},
+        "free_block_ids": {"after": ("optional_count", None)},
     }
 
 

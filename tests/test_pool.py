@@ -190,6 +190,34 @@ def test_quarantined_blocks_are_reused_first_and_zeroed() -> None:
     assert pool.take_blocks_to_zero() == []
 
 
+def test_free_block_ids_walk_the_free_queue_in_hand_out_order() -> None:
+    """Quarantined, then empty, then cached blocks (least recently released first); a
+    walk can resume after any free block, and yields nothing after a held one."""
+    pool = make_pool(12, 4)
+    (held,) = pool.allocate_blocks(1)
+    publish(pool, "old", PROMPT[:8])  # two cached blocks once freed
+    old = pool.block_table("old")
+    pool.free("old")
+    publish(pool, "new", [7] * 8)
+    new = pool.block_table("new")
+    pool.free("new")
+    prefill(pool, "bad", PROMPT[8:16])
+    pool.fail_step("bad")
+    pool.free("bad")  # two quarantined blocks
+    order = list(pool.free_block_ids())
+    assert held not in order and len(order) == pool.get_num_free_blocks()
+    states = [pool.block_state(b) for b in order]
+    assert states[:2] == [S.QUARANTINED] * 2 and S.QUARANTINED not in states[2:]
+    assert states[-4:] == [S.PUBLISHED] * 4 and S.PUBLISHED not in states[:-4]
+    assert set(order[-4:-2]) == set(old) and set(order[-2:]) == set(new)
+    for i, block_id in enumerate(order):
+        assert list(pool.free_block_ids(after=block_id)) == order[i + 1 :]
+    assert list(pool.free_block_ids(after=held)) == []
+    before = pool.snapshot()
+    assert pool.allocate_blocks(len(order)) == order  # the order allocation takes them
+    assert pool.snapshot() != before
+
+
 def test_freed_written_blocks_are_quarantined() -> None:
     """Preemption / client abort before the step's result: bytes can't be trusted."""
     pool = make_pool(8, 4)
