@@ -42,6 +42,13 @@ ships; 0.33.x; 0.34.x: the current release):
   (``OffloadingWorkerMetadata.failed_jobs``; the scheduler marks its
   ``TransferJobStatus.failed`` and drops the copies); a job's ``keys`` are a tuple in
   prefix order (a set before). See :func:`store_job_failed`.
+* **SimpleCPU offloading's CPU tier sized by the workers** (0.33): the engine core asks
+  the workers how many CPU blocks they allocated and hands the count to the scheduler
+  side (``CacheConfig.simple_cpu_offload_num_blocks``), for a connector configured as
+  ``SimpleCPUOffloadConnector`` only; 0.32 sizes both sides from the byte budget. (Its
+  lazy mode resumes its walk of the free list at a cursor before 0.34, starts at the
+  head in 0.34: the guarded pool's free queue answers both.) See
+  :func:`simple_cpu_tier_sized_by_name`.
 * **``ModelRunnerOutput.req_id_to_index``** is gone (0.34): the scheduler maps rows by
   ``req_ids``' order. See :func:`runner_output_rows` (test harnesses and benchmarks
   build outputs).
@@ -215,6 +222,13 @@ def store_job_failed(worker_meta: Any, job_id: int, job_status: Any) -> bool:
     if vllm_series() < (0, 34):
         return False
     return job_id in worker_meta.failed_jobs or bool(job_status.failed)
+
+
+def simple_cpu_tier_sized_by_name() -> bool:
+    """Whether vLLM's engine core sizes SimpleCPU offloading's scheduler-side CPU tier
+    from the workers' count, for a connector configured under the name
+    ``SimpleCPUOffloadConnector`` only (0.33 and later)."""
+    return vllm_series() >= (0, 33)
 
 
 def aux_output_connector_binds_pool() -> bool:

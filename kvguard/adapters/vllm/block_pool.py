@@ -34,7 +34,7 @@ Static sink and HiSparse groups are refused at install time
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -63,13 +63,13 @@ from vllm.v1.core.kv_cache_utils import (  # noqa: E402
 )
 
 from kvguard.block import PendingPublication  # noqa: E402
-from kvguard.errors import IllegalTransitionError, OutOfBlocksError  # noqa: E402
+from kvguard.errors import IllegalTransitionError, OutOfBlocksError, PoolMisuseError  # noqa: E402
 from kvguard.events import BlockRemoved as CoreBlockRemoved  # noqa: E402
 from kvguard.fast_path import fill_notes  # noqa: E402
 from kvguard.hashing import BlockHash  # noqa: E402
 from kvguard.pool import BlockPool as KvGuardPool  # noqa: E402
 from kvguard.results import BlockValidation  # noqa: E402
-from kvguard.states import BlockState  # noqa: E402
+from kvguard.states import MATCHABLE_STATES, BlockState  # noqa: E402
 
 from .config import GuardConfig, GuardConfigError  # noqa: E402
 from .kv_block import GuardedKVCacheBlock  # noqa: E402
@@ -105,15 +105,54 @@ class TailEntry:
     is ever published."""
 
 
-class _FreeQueueOwnedByKvGuard:
-    """Stands in for ``free_block_queue`` in guarded mode: kvguard's pool owns the order,
-    and a stale linked list would mislead (SimpleCPUOffloadConnector's lazy mode)."""
+class KvGuardFreeQueue:
+    """``free_block_queue`` in guarded mode: kvguard's free queue, read as vLLM's free list.
+
+    vLLM's ``FreeKVCacheBlockQueue`` is a linked list whose head is evicted (handed out)
+    first. kvguard's pool owns the free queue (:class:`kvguard.free_queue.FreeQueue`),
+    so the reads vLLM code makes of the list -- SimpleCPU offloading's lazy mode walks it
+    with ``iter_blocks_after``, the one read vLLM makes of it outside its own pool --
+    are answered from kvguard's order, which is the order kvguard hands blocks out:
+    quarantined blocks first (no hash: never offered for a store), then empty ones,
+    then cached blocks (PUBLISHED/OFFLOADED, hashed, no reference) least recently
+    released first, lowest retention class first. Every block yielded has
+    ``ref_cnt == 0``; a block carries a hash only when kvguard validated it, so only
+    validated KV is ever offered to a walker that stores hashed blocks. Everything else
+    of vLLM's list (its links, its count, ``popleft``, ``remove``, ``append``...) raises
+    :class:`GuardModeUnsupported`: the pool answers counts itself
+    (``get_num_free_blocks``) and only kvguard changes its queue.
+
+    As with vLLM's list, the pool must not change while an iteration is under way.
+    """
+
+    __slots__ = ("_blocks", "_core")
+
+    def __init__(self, core: KvGuardPool, blocks: Sequence[GuardedKVCacheBlock]) -> None:
+        self._core = core
+        self._blocks = blocks
+
+    def iter_blocks_after(self, cursor: KVCacheBlock | None) -> Iterator[GuardedKVCacheBlock]:
+        """The free blocks in hand-out order (``BlockPool.free_block_ids``), from the
+        head (``cursor`` None) or after ``cursor``; none after a block that is not
+        queued (vLLM: a block off the list has no successor). vLLM 0.32/0.33's lazy
+        offloading resumes its walk at the last block it visited; 0.34's starts at the
+        head every step."""
+        blocks = self._blocks
+        after = None
+        if cursor is not None:
+            after = cursor.block_id
+            if not (0 <= after < len(blocks) and blocks[after] is cursor):
+                return  # not a block of this pool
+        for block_id in self._core.free_block_ids(after):
+            yield blocks[block_id]
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # (introspection: copy, pickle, binding's walk)
+            raise AttributeError(name)
         raise GuardModeUnsupported(
-            f"free_block_queue.{name}: in guarded mode kvguard owns the free queue; "
-            "connectors that walk vLLM's free list (SimpleCPUOffloadConnector lazy mode) "
-            "are not supported yet"
+            f"free_block_queue.{name}: in guarded mode kvguard owns the free queue; vLLM "
+            "code may walk it (iter_blocks_after, as SimpleCPU offloading's lazy mode "
+            "does), not read its links or counts, nor change it"
         )
 
 
@@ -175,7 +214,9 @@ class GuardedBlockPool(BlockPool):
         self._fill_notes: FillNotes | None = fill_notes(GuardedKVCacheBlock, _WRITTEN)
         self.get_num_free_blocks = core.get_num_free_blocks
         self._cached_block_id = core.prefix_index.get
-        self.free_block_queue = _FreeQueueOwnedByKvGuard()
+        # vLLM code that reads the free list (SimpleCPU offloading's lazy mode) reads
+        # kvguard's free queue, in kvguard's order.
+        self.free_block_queue = KvGuardFreeQueue(core, self.blocks)
         self.tails: dict[int, TailEntry] = {}
         """Entries vLLM registered inside a block its request goes on writing (a prompt's
         tail with partial-block prefix hits), by block id: none is matchable until it
@@ -446,7 +487,18 @@ class GuardedBlockPool(BlockPool):
         return ret
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
-        self.core.acquire_blocks([b.block_id for b in blocks if not b.is_null])
+        """A reference on each block, released later through :meth:`free_blocks`: a
+        prefix hit on a cached block (kvguard acquires it), or a connector pinning
+        blocks a request holds while it copies them -- SimpleCPU offloading pins the
+        blocks a load writes into (WRITTEN) and those a store reads. A block that is
+        not cached has one owner in kvguard (its request), so such a pin is a reference
+        kvguard does not count, as for :meth:`retain_for_copy`: the first of the two
+        releases is skipped and the block stays held until the second."""
+        ids = [b.block_id for b in blocks if not b.is_null]
+        try:
+            self.core.acquire_blocks(ids)
+        except IllegalTransitionError:
+            self._pin_held(ids)
         collector = self.metrics_collector
         if collector:
             for block in blocks:
@@ -517,6 +569,20 @@ class GuardedBlockPool(BlockPool):
         self.core.disown_reference(block.block_id)
         block_id = block.block_id
         self.retentions[block_id] = self.retentions.get(block_id, 0) + 1
+
+    def _pin_held(self, block_ids: list[int]) -> None:
+        """:meth:`touch` of blocks some of which are not cached: acquire the cached
+        ones, pin the held ones (see :meth:`touch`); a block neither cached nor held
+        is refused by kvguard (IllegalTransitionError, nothing changed)."""
+        blocks = self.blocks
+        pins = [
+            b for b in block_ids if blocks[b].ref_cnt and blocks[b].state not in MATCHABLE_STATES
+        ]
+        pinned = set(pins)
+        self.core.acquire_blocks([b for b in block_ids if b not in pinned])
+        retentions = self.retentions
+        for block_id in pins:
+            retentions[block_id] = retentions.get(block_id, 0) + 1
 
     def _skip_retentions(self, released: list[KVCacheBlock]) -> list[KVCacheBlock]:
         """``released`` without the releases of references kvguard did not count."""

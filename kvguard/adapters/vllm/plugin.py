@@ -30,9 +30,11 @@ given (the plugin loads before any config is in reach):
   model needs vLLM's own zeroing (Mamba, mixed-precision caches);
 * selects the guarded scheduler when none was chosen (``--scheduler-cls`` unset):
   ``GuardedAsyncScheduler`` with async scheduling, else ``GuardedScheduler``;
-* registers ``GuardedOffloadingConnector`` with vLLM's connector factory and gives it
-  to ``kv_connector="OffloadingConnector"`` (a subclass: workers run vLLM's code;
-  store jobs cover validated blocks only, see :mod:`kvguard.adapters.vllm.offloading`);
+* registers ``GuardedOffloadingConnector`` and ``GuardedSimpleCPUOffloadConnector``
+  with vLLM's connector factory and gives them to ``kv_connector="OffloadingConnector"``
+  and ``"SimpleCPUOffloadConnector"``, also as a ``MultiConnector``'s children
+  (subclasses: workers run vLLM's code; stores cover validated blocks only, see
+  :mod:`kvguard.adapters.vllm.offloading`, :mod:`kvguard.adapters.vllm.simple_cpu_offloading`);
 * makes vLLM's model runners count NaN logits per request rather than per logits row,
   which is what lets the guard validate steps under speculative decoding (see
   :mod:`kvguard.adapters.vllm.worker_nans`; applied when a runner's module is imported).
@@ -355,19 +357,27 @@ def _patch_scheduler_cls() -> None:
 
 
 GUARDED_CONNECTOR = "GuardedOffloadingConnector"
-_STOCK_CONNECTOR = (
-    "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
-    "OffloadingConnector",
-)
+GUARDED_CONNECTORS: dict[tuple[str, str], tuple[str, str]] = {
+    # (vLLM's connector class) -> (kvguard's gated subclass of it)
+    (
+        "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
+        "OffloadingConnector",
+    ): ("kvguard.adapters.vllm.offloading", GUARDED_CONNECTOR),
+    (
+        "vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector",
+        "SimpleCPUOffloadConnector",
+    ): ("kvguard.adapters.vllm.simple_cpu_offloading", "GuardedSimpleCPUOffloadConnector"),
+}
+"""vLLM's connectors whose copies kvguard gates, and the class the plugin gives for each
+(module, class name)."""
 
 
 def _patch_connector_cls() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    if GUARDED_CONNECTOR not in KVConnectorFactory._registry:
-        KVConnectorFactory.register_connector(
-            GUARDED_CONNECTOR, "kvguard.adapters.vllm.offloading", GUARDED_CONNECTOR
-        )
+    for module, name in GUARDED_CONNECTORS.values():
+        if name not in KVConnectorFactory._registry:
+            KVConnectorFactory.register_connector(name, module, name)
     current = KVConnectorFactory.get_connector_class
     if getattr(current, _MARK, False):
         return
@@ -375,11 +385,13 @@ def _patch_connector_cls() -> None:
 
     def get_connector_class(cls: Any, kv_transfer_config: Any) -> Any:
         connector_cls = stock(cls, kv_transfer_config)
-        if (connector_cls.__module__, connector_cls.__name__) == _STOCK_CONNECTOR:
-            # Its store jobs would copy KV of steps not validated yet.
-            from kvguard.adapters.vllm.offloading import GuardedOffloadingConnector
+        guarded = GUARDED_CONNECTORS.get((connector_cls.__module__, connector_cls.__name__))
+        if guarded is not None:
+            # Its stores would copy KV of steps not validated yet.
+            import importlib
 
-            return GuardedOffloadingConnector
+            module, name = guarded
+            return getattr(importlib.import_module(module), name)
         return connector_cls
 
     setattr(get_connector_class, _MARK, True)

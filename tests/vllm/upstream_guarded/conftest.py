@@ -140,7 +140,8 @@ INTERNALS: dict[str, tuple[type[BaseException], str]] = {
     "test_scheduler.py::test_memory_leak": (
         GuardModeUnsupported,
         "its leak check reads vLLM's BlockPool internals: free_block_queue, which kvguard's "
-        "pool replaces (it owns the free queue; the stand-in refuses every read), and "
+        "pool replaces (it owns the free queue; its stand-in answers only walks, "
+        "iter_blocks_after, and refuses num_free_blocks), and "
         "ref_cnt == 0 on every block, the null block included, which kvguard holds "
         "(ref_cnt 1). The same check through get_num_free_blocks(), on every block but the "
         "null block, passes: nothing leaks",
