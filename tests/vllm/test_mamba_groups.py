@@ -19,6 +19,8 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
 from kvguard import BlockState  # noqa: E402
+from kvguard.adapters.vllm.block_pool import PartialEntryError  # noqa: E402
+from kvguard.errors import PoolMisuseError  # noqa: E402
 
 from . import harness  # noqa: E402
 from .harness import (  # noqa: E402
@@ -220,6 +222,25 @@ def test_an_entry_inside_a_running_block_is_held_not_matchable() -> None:
     # Again: vLLM is handed the same key, nothing changes.
     assert pool.cache_partial_block(request, running, 5 * BLOCK, 0, 2 * BLOCK) == key
     assert pool.get_cached_block(request.block_hashes[4], [0]) is None
+    pool.check_consistency()
+
+
+@pytest.mark.parametrize("num_tokens", [70, 6 * BLOCK, 0])
+def test_an_entry_at_no_prefix_boundary_is_a_typed_error_and_changes_nothing(
+    num_tokens: int,
+) -> None:
+    """Off the prefix-match unit, past the request's hashes, or empty: vLLM's pool
+    asserts; kvguard's raises its misuse error (an AssertionError too) and registers
+    nothing."""
+    s = _tail_scheduler()
+    pool = s.kvguard_pool
+    running = pool.blocks[_mamba_blocks(s, "a")[-1]]
+    before = _core(s).snapshot()
+    with pytest.raises(PartialEntryError, match=f"num_tokens={num_tokens}\\)"):
+        pool.cache_partial_block(s.requests["a"], running, num_tokens, 0, 2 * BLOCK)
+    assert issubclass(PartialEntryError, PoolMisuseError)
+    assert issubclass(PartialEntryError, AssertionError)
+    assert _core(s).snapshot() == before and not pool.tails
     pool.check_consistency()
 
 

@@ -89,6 +89,11 @@ class GuardModeUnsupported(NotImplementedError):
     """A vLLM path the guarded pool does not cover (documented in docs/vllm.md)."""
 
 
+class PartialEntryError(PoolMisuseError, AssertionError):
+    """``cache_partial_block`` asked for an entry at no prefix boundary of the request
+    (a caller bug: vLLM's own pool fails the same call with an ``AssertionError``)."""
+
+
 @dataclass(slots=True)
 class TailEntry:
     """An entry vLLM registered inside a block (``cache_partial_block``), held back."""
@@ -682,13 +687,18 @@ class GuardedBlockPool(BlockPool):
         A block keeps one key: an entry for a block that has or awaits another is not
         registered (None), unless ``replace_existing_hashes`` (its content was
         replaced) drops the old one first."""
-        if block.is_null or num_tokens <= 0:
+        if block.is_null:
             return None
         per_hash = self.hash_block_size
         hashes = request.block_hashes
         units = num_tokens // per_hash
-        if units * per_hash != num_tokens or units > len(hashes):
-            return None
+        if num_tokens <= 0 or units * per_hash != num_tokens or units > len(hashes):
+            raise PartialEntryError(
+                f"cache_partial_block({request.request_id!r}, block {block.block_id}, "
+                f"num_tokens={num_tokens}): an entry stands at a positive multiple of the "
+                f"hash block size ({per_hash}) within the request's {len(hashes)} block "
+                "hash(es) (vLLM's BlockPool asserts the same); nothing was registered"
+            )
         suffix = group_suffix(kv_cache_group_id)
         # vLLM's own key for the entry: the hash chained over the first num_tokens.
         key = hashes[units - 1] + suffix
