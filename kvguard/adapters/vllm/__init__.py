@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from kvguard.adapters.vllm.offloading import GuardedOffloadingConnector
     from kvguard.adapters.vllm.recovery import RecoveryReport, ResumedRequest
     from kvguard.adapters.vllm.scheduler import GuardedAsyncScheduler, GuardedScheduler
+    from kvguard.adapters.vllm.simple_cpu_offloading import GuardedSimpleCPUOffloadConnector
 
 __all__ = [
     "SUPPORTED",
@@ -34,6 +35,7 @@ __all__ = [
     "GuardedBlockPool",
     "GuardedOffloadingConnector",
     "GuardedScheduler",
+    "GuardedSimpleCPUOffloadConnector",
     "RecoveryReport",
     "ResumedRequest",
     "UnsupportedVllmError",
@@ -50,6 +52,7 @@ _LAZY = {
     "GuardedScheduler": "scheduler",
     "GuardedAsyncScheduler": "scheduler",
     "GuardedOffloadingConnector": "offloading",
+    "GuardedSimpleCPUOffloadConnector": "simple_cpu_offloading",
     "RecoveryReport": "recovery",
     "ResumedRequest": "recovery",
 }
