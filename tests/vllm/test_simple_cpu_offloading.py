@@ -701,14 +701,19 @@ def test_without_kvguards_pool_it_is_vllms_connector() -> None:
     assert runs["off"] == runs["stock"] == ({"a": "length"}, [True] * 4)
 
 
-def test_stock_connector_on_kvguards_pool_runs_lazy_mode() -> None:
+@pytest.mark.usefixtures("log")
+def test_stock_connector_on_kvguards_pool_runs_lazy_mode(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """Lazy mode reads vLLM's free list, which kvguard's pool answers: the stock
     connector under a guarded scheduler (chosen by hand, no plugin) no longer stops at
-    run time; the start-up line lists it as not gated."""
+    run time; the scheduler warns at start-up that its copies are not gated."""
     s = simple_cpu_scheduler(
         connector=STOCK, lazy=True, num_blocks=6, max_num_batched_tokens=2 * BLOCK
     )
     assert type(connector_of(s)) is SimpleCPUOffloadConnector
+    (warning,) = [r for r in caplog.records if "SimpleCPUOffloadConnector stores" in r.message]
+    assert warning.levelname == "WARNING" and "KVGUARD_GUARD=1" in warning.message
     d = Driver(s)
     d.run(make_request("a", PROMPT[: 3 * BLOCK], max_tokens=1))
     d.run(make_request("b", list(range(5000, 5000 + 4 * BLOCK)), max_tokens=1))

@@ -342,18 +342,29 @@ class _GuardMixin:
         return [connector, *getattr(connector, "sub_connectors", ())]
 
     def _kvguard_check_connector(self) -> None:
-        stock = [c for c in self._kvguard_connectors() if type(c).__name__ == "OffloadingConnector"]
-        if not stock:
-            return
-        from .offloading import is_stock_offloading_connector
+        """A scheduler picked by hand (no plugin) runs vLLM's own offloading connectors,
+        whose copies kvguard does not gate: say so once, naming the gated one."""
+        names = {type(c).__name__ for c in self._kvguard_connectors()}
+        if "OffloadingConnector" in names:
+            from .offloading import is_stock_offloading_connector
 
-        if any(is_stock_offloading_connector(c) for c in stock):
-            logger.warning(
-                "kvguard: vLLM's OffloadingConnector stores KV of steps that are not "
-                "validated yet to its CPU tier. Use kv_connector='GuardedOffloadingConnector' "
-                "(kv_connector_module_path='kvguard.adapters.vllm.offloading'), or start "
-                "vLLM with KVGUARD_GUARD=1, which selects it for you."
-            )
+            if any(map(is_stock_offloading_connector, self._kvguard_connectors())):
+                logger.warning(
+                    "kvguard: vLLM's OffloadingConnector stores KV of steps that are not "
+                    "validated yet to its CPU tier. Use "
+                    "kv_connector='GuardedOffloadingConnector' "
+                    "(kv_connector_module_path='kvguard.adapters.vllm.offloading'), or start "
+                    "vLLM with KVGUARD_GUARD=1, which selects it for you."
+                )
+        if "SimpleCPUOffloadConnector" in names:
+            from .simple_cpu_offloading import is_stock_simple_cpu_connector
+
+            if any(map(is_stock_simple_cpu_connector, self._kvguard_connectors())):
+                logger.warning(
+                    "kvguard: vLLM's SimpleCPUOffloadConnector stores KV of steps that are "
+                    "not validated yet to its CPU tier. Start vLLM with KVGUARD_GUARD=1, "
+                    "which puts kvguard's GuardedSimpleCPUOffloadConnector in its place."
+                )
 
     def _kvguard_name_window_frees(self) -> None:
         """Sliding-window, chunked-local and R-SWA groups free blocks of a running
