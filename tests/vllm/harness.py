@@ -45,6 +45,7 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    KVCacheTensor,
     MambaSpec,
     RSWASpec,
     SinkFullAttentionSpec,
@@ -233,6 +234,25 @@ def make_scheduler(
             cache_size=max_num_batched_tokens
         )
     return scheduler
+
+
+def tensor_backed_kv_cache_config(spec: Any, num_blocks: int) -> Any:
+    """A KV cache config of one group of one layer (``"l0"``, of ``spec``) with its
+    tensor described, as the workers report it: SimpleCPU offloading sizes its CPU tier
+    from the tensors."""
+    page = spec.page_size_bytes
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[
+            KVCacheTensor(
+                size=page * num_blocks,
+                layers=["l0"],
+                layer_stride=page * num_blocks,
+                block_stride=page,
+            )
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)],
+    )
 
 
 def _kv_cache_spec(

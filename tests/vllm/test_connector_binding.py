@@ -32,16 +32,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (  # 
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheTensor,
 )
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from kvguard.adapters.vllm import GuardedBlockPool, GuardModeUnsupported  # noqa: E402
 from kvguard.adapters.vllm.scheduler import GuardedScheduler  # noqa: E402
 
-from .harness import BLOCK, make_request, make_vllm_config, step  # noqa: E402
+from .harness import (  # noqa: E402
+    BLOCK,
+    make_request,
+    make_vllm_config,
+    step,
+    tensor_backed_kv_cache_config,
+)
 
 NUM_BLOCKS = 64
 
@@ -55,19 +58,7 @@ def _scheduler(cls: type, kv_transfer_config: Any, *, enabled: bool = True) -> A
         kvguard={"check_invariants": True, "enabled": enabled},
     )
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype=torch.float32)
-    page = spec.page_size_bytes
-    kv_cache_config = KVCacheConfig(
-        num_blocks=NUM_BLOCKS,
-        kv_cache_tensors=[
-            KVCacheTensor(
-                size=page * NUM_BLOCKS,
-                layers=["l0"],
-                layer_stride=page * NUM_BLOCKS,
-                block_stride=page,
-            )
-        ],
-        kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)],
-    )
+    kv_cache_config = tensor_backed_kv_cache_config(spec, NUM_BLOCKS)
     return cls(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,

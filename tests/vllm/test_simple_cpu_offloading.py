@@ -36,9 +36,6 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheTensor,
 )
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
@@ -60,7 +57,14 @@ from kvguard.adapters.vllm.simple_cpu_offloading import (  # noqa: E402
 from kvguard.errors import IllegalTransitionError  # noqa: E402
 
 from .conftest import undo_plugin_patches_after  # noqa: E402
-from .harness import BLOCK, finish_reasons, make_request, make_vllm_config, model_output  # noqa: E402
+from .harness import (  # noqa: E402
+    BLOCK,
+    finish_reasons,
+    make_request,
+    make_vllm_config,
+    model_output,
+    tensor_backed_kv_cache_config,
+)
 
 PROMPT = list(range(1000, 1000 + 4 * BLOCK))  # 4 full blocks
 STORABLE = {BlockState.VALIDATED, BlockState.PUBLISHED, BlockState.OFFLOADED}
@@ -142,18 +146,7 @@ def simple_cpu_scheduler(
         ),
         kvguard=kvguard,
     )
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[
-            KVCacheTensor(
-                size=page * num_blocks,
-                layers=["l0"],
-                layer_stride=page * num_blocks,
-                block_stride=page,
-            )
-        ],
-        kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)],
-    )
+    kv_cache_config = tensor_backed_kv_cache_config(spec, num_blocks)
     if guarded:
         cls: type = GuardedAsyncScheduler if async_scheduling else GuardedScheduler
     else:
