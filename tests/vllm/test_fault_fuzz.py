@@ -43,6 +43,7 @@ that holds the state of a NaN or dropped step is zeroed first.
 
 from __future__ import annotations
 
+import inspect
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -512,6 +513,14 @@ class FaultTrace:
         manager = self.manager.coordinator.single_type_managers[group]
         spec = manager.kv_cache_spec
         pool = self.s.kvguard_pool
+        lookahead: dict[
+            str, int
+        ] = {}  # (vLLM 0.33 and later: 0.32's pool hashes no lookahead tokens)
+        if (
+            "num_hash_lookahead_tokens"
+            in inspect.signature(compute_mamba_prefill_checkpoints).parameters
+        ):
+            lookahead["num_hash_lookahead_tokens"] = pool.num_hash_lookahead_tokens
         (offset,), _ = compute_mamba_prefill_checkpoints(
             [end],
             [n],
@@ -520,7 +529,7 @@ class FaultTrace:
             checkpoint_alignment=spec.prefill_checkpoint_alignment,
             drop_eagle_block=False,
             cache_hit_alignment_tokens=manager.cache_hit_alignment_tokens,
-            num_hash_lookahead_tokens=getattr(pool, "num_hash_lookahead_tokens", 0),
+            **lookahead,
         )
         return end - n + offset if offset else 0
 
