@@ -466,8 +466,3 @@ class GuardedOffloadingConnector(OffloadingConnector):
         if self.connector_scheduler is None:
             return {}
         return dict(self.connector_scheduler.kvguard_counters)
-
-
-def is_stock_offloading_connector(connector: object) -> bool:
-    """vLLM's own ``OffloadingConnector`` (not the guarded one)."""
-    return type(connector) is OffloadingConnector

@@ -73,6 +73,7 @@ from .metrics import (  # noqa: E402
 )
 from .plugin import (  # noqa: E402
     GUARD_ENV,
+    GUARDED_CONNECTORS,
     guard_config,
     stock_needs_zeroing,
     worker_counts_per_request,
@@ -343,28 +344,24 @@ class _GuardMixin:
 
     def _kvguard_check_connector(self) -> None:
         """A scheduler picked by hand (no plugin) runs vLLM's own offloading connectors,
-        whose copies kvguard does not gate: say so once, naming the gated one."""
-        names = {type(c).__name__ for c in self._kvguard_connectors()}
-        if "OffloadingConnector" in names:
-            from .offloading import is_stock_offloading_connector
-
-            if any(map(is_stock_offloading_connector, self._kvguard_connectors())):
-                logger.warning(
-                    "kvguard: vLLM's OffloadingConnector stores KV of steps that are not "
-                    "validated yet to its CPU tier. Use "
-                    "kv_connector='GuardedOffloadingConnector' "
-                    "(kv_connector_module_path='kvguard.adapters.vllm.offloading'), or start "
-                    "vLLM with KVGUARD_GUARD=1, which selects it for you."
-                )
-        if "SimpleCPUOffloadConnector" in names:
-            from .simple_cpu_offloading import is_stock_simple_cpu_connector
-
-            if any(map(is_stock_simple_cpu_connector, self._kvguard_connectors())):
-                logger.warning(
-                    "kvguard: vLLM's SimpleCPUOffloadConnector stores KV of steps that are "
-                    "not validated yet to its CPU tier. Start vLLM with KVGUARD_GUARD=1, "
-                    "which puts kvguard's GuardedSimpleCPUOffloadConnector in its place."
-                )
+        whose copies kvguard does not gate: say so once per connector class, naming the
+        gated one the plugin would put in its place (:data:`GUARDED_CONNECTORS`)."""
+        warned: set[type] = set()
+        for connector in self._kvguard_connectors():
+            cls = type(connector)
+            guarded = GUARDED_CONNECTORS.get((cls.__module__, cls.__name__))
+            if guarded is None or cls in warned:
+                continue
+            warned.add(cls)
+            module, name = guarded
+            logger.warning(
+                "kvguard: vLLM's %s stores KV of steps that are not validated yet to its "
+                "CPU tier. Use kv_connector='%s' (kv_connector_module_path='%s'), or start "
+                "vLLM with KVGUARD_GUARD=1, which selects it for you.",
+                cls.__name__,
+                name,
+                module,
+            )
 
     def _kvguard_name_window_frees(self) -> None:
         """Sliding-window, chunked-local and R-SWA groups free blocks of a running

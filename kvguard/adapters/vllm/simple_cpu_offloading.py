@@ -398,8 +398,3 @@ def _simple_cpu_extra_config(kv_transfer_config: Any) -> dict[str, Any]:
         if child.get("kv_connector") == GuardedSimpleCPUOffloadConnector.__name__:
             return dict(child.get("kv_connector_extra_config") or {})
     return {}
-
-
-def is_stock_simple_cpu_connector(connector: object) -> bool:
-    """vLLM's own ``SimpleCPUOffloadConnector`` (not the guarded one)."""
-    return type(connector) is SimpleCPUOffloadConnector
