@@ -179,13 +179,4 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if _HERE not in item.path.as_posix():
             continue
         # "tests/vllm/upstream_guarded/test_x.py::test_f[p]" -> "test_x.py::test_f[p]"
-        key = item.nodeid.split(_HERE, 1)[-1]
-        test = key.split("[", 1)[0]
-        skip = upstream.SKIPPED.get(f"v0_34/{test}")
-        if skip is not None:
-            item.add_marker(pytest.mark.skip(reason=skip))
-            continue
-        expected = EXPECTED_FAILURES.get(key) or EXPECTED_FAILURES.get(test)
-        if expected is not None:
-            raises, reason = expected
-            item.add_marker(pytest.mark.xfail(reason=reason, raises=raises, strict=True))
+        upstream.mark_guarded_item(item, item.nodeid.split(_HERE, 1)[-1], EXPECTED_FAILURES)

@@ -244,14 +244,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             deselected.append(item)
             continue
         kept.append(item)
-        skip = upstream.SKIPPED.get(f"v0_34/{test}")
-        if skip is not None:
-            item.add_marker(pytest.mark.skip(reason=skip))
-            continue
-        expected = EXPECTED_FAILURES.get(key) or EXPECTED_FAILURES.get(test)
-        if expected is not None:
-            raises, reason = expected
-            item.add_marker(pytest.mark.xfail(reason=reason, raises=raises, strict=True))
+        upstream.mark_guarded_item(item, key, EXPECTED_FAILURES)
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = kept
