@@ -35,7 +35,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 )
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
-from kvguard.adapters.vllm import GuardedBlockPool, GuardModeUnsupported  # noqa: E402
+from kvguard.adapters.vllm import GuardedBlockPool, GuardModeUnsupported, plugin  # noqa: E402
 from kvguard.adapters.vllm.scheduler import GuardedScheduler  # noqa: E402
 
 from .harness import (  # noqa: E402
@@ -45,6 +45,7 @@ from .harness import (  # noqa: E402
     step,
     tensor_backed_kv_cache_config,
 )
+from .plugin_patches import undo_plugin_patches_after  # noqa: E402
 
 NUM_BLOCKS = 64
 
@@ -112,7 +113,12 @@ CASES = {
 
 @pytest.mark.parametrize("enabled", [True, False], ids=["guarded", "pass-through"])
 @pytest.mark.parametrize("names", list(CASES.values()), ids=list(CASES))
-def test_connectors_are_bound_to_kvguards_pool(names: tuple[str, ...], enabled: bool) -> None:
+def test_connectors_are_bound_to_kvguards_pool(
+    names: tuple[str, ...], enabled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The plugin's connector factory: the gated classes in place of vLLM's names.
+    undo_plugin_patches_after(monkeypatch)
+    plugin._patch_connector_cls()
     stock = _scheduler(Scheduler, _config(*names))
     assert set(_bound_pools(stock).values()) == {stock.kv_cache_manager.block_pool}
 
@@ -147,7 +153,11 @@ def test_a_connector_left_on_the_discarded_pool_refuses_the_start(tmp_path: Any)
         kv_connector="PinsFirstPool",
         kv_connector_module_path=__name__,
         kv_role="kv_both",
-        kv_connector_extra_config={"shared_storage_path": str(tmp_path)},
+        # (Declared to kvguard's connector gate, which would refuse an unknown one.)
+        kv_connector_extra_config={
+            "shared_storage_path": str(tmp_path),
+            "kvguard_exit": "request_finished",
+        },
     )
     stock = _scheduler(Scheduler, config)
     assert stock.connector.pinned is stock.kv_cache_manager.block_pool

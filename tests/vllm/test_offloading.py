@@ -28,6 +28,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 from kvguard import BlockHash, BlockState  # noqa: E402
 from kvguard.adapters.vllm import plugin  # noqa: E402
 from kvguard.adapters.vllm._compat import vllm_series  # noqa: E402
+from kvguard.adapters.vllm.config import GuardConfigError  # noqa: E402
 from kvguard.adapters.vllm.offloading import (  # noqa: E402
     TIER,
     GuardedOffloadingConnector,
@@ -446,21 +447,17 @@ def test_plugin_selects_the_guarded_connector() -> None:
     assert isinstance(child, GuardedOffloadingConnector)
 
 
-def test_guarded_scheduler_warns_about_the_stock_connector(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    s = offload_scheduler(connector="OffloadingConnector")
-    assert type(s.connector) is OffloadingConnector
-    assert "kv_connector='GuardedOffloadingConnector'" in caplog.text
-
-
-def test_guarded_scheduler_warns_about_the_stock_connector_inside_a_multi_connector(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    s = make_scheduler(kv_transfer_config=transfer_config("OffloadingConnector", multi=True))
-    (child,) = s.connector.sub_connectors
-    assert type(child) is OffloadingConnector
-    assert "kv_connector='GuardedOffloadingConnector'" in caplog.text
+@pytest.mark.parametrize("multi", [False, True], ids=["alone", "multi"])
+def test_guarded_scheduler_refuses_the_stock_connector(multi: bool) -> None:
+    """vLLM's own OffloadingConnector under a guarded scheduler picked by hand (no
+    plugin to substitute it) would copy unvalidated KV: the engine refuses to start,
+    naming the gated class; stock vLLM starts with it."""
+    config = transfer_config("OffloadingConnector", multi=multi)
+    with pytest.raises(GuardConfigError, match="kv_connector='GuardedOffloadingConnector'"):
+        make_scheduler(kv_transfer_config=config)
+    stock = make_scheduler(kv_transfer_config=config, guarded=False)
+    connectors = getattr(stock.connector, "sub_connectors", [stock.connector])
+    assert [type(c) for c in connectors] == [OffloadingConnector]
 
 
 def test_package_exports_the_connector() -> None:

@@ -74,6 +74,7 @@ from kvguard.states import MATCHABLE_STATES, BlockState  # noqa: E402
 from .config import GuardConfig, GuardConfigError  # noqa: E402
 from .kv_block import GuardedKVCacheBlock  # noqa: E402
 from .step_ledger import StepLedger  # noqa: E402
+from .tier_purge import TierPurgeReport, TierPurgers  # noqa: E402
 
 _WRITTEN = BlockState.WRITTEN
 
@@ -230,6 +231,9 @@ class GuardedBlockPool(BlockPool):
         """Block id -> references vLLM took by writing ``ref_cnt`` for a copy-on-write,
         which kvguard does not count (:meth:`retain_for_copy`); vLLM's release of each
         is skipped."""
+        self.tier_purgers = TierPurgers()
+        """The tiers' purgers, registered by the guarded connectors that copy to them:
+        every invalidation drops the tier copies it reports (:meth:`invalidate`)."""
         self.state_groups: frozenset[int] = frozenset()
         """KV cache groups whose blocks hold a state overwritten in place (Mamba): set
         by :func:`~kvguard.adapters.vllm.manager.install_guarded_pool`."""
@@ -632,9 +636,20 @@ class GuardedBlockPool(BlockPool):
             if key is not None:
                 hashes.append(key)
         if hashes:
-            core.invalidate(hashes, descendants=False)
-            if core.record_events:
-                self._report_core_removals()
+            self.invalidate(hashes, descendants=False)
+
+    def invalidate(
+        self, block_hashes: Iterable[BlockHash], *, descendants: bool = True
+    ) -> TierPurgeReport:
+        """Taint ``block_hashes`` (kvguard's keys) found corrupt after the fact
+        (:meth:`kvguard.BlockPool.invalidate`: GPU blocks quarantined, requests
+        holding them aborted) and purge their copies from every tier that registered
+        a purger (:mod:`kvguard.adapters.vllm.tier_purge`)."""
+        core = self.core
+        report = core.invalidate(block_hashes, descendants=descendants)
+        if core.record_events:
+            self._report_core_removals()
+        return self.tier_purgers.purge(report)
 
     def reset_prefix_cache(self) -> bool:
         core = self.core

@@ -60,6 +60,13 @@ class GuardMetrics:
     requests_unrecoverable: int = 0
     """Requests ``recover()`` could not resume, finished with an error."""
 
+    connector_handoffs_withheld: int = 0
+    """Finished requests whose KV was not handed to a KV connector (no send, no
+    save at ``request_finished``): their last step was not counted clean."""
+    tier_copies_purged: int = 0
+    """Tier copies (CPU tiers, connector stores) dropped because their hash was
+    invalidated (``kvguard_invalidate``, KV that failed to load)."""
+
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}
 
@@ -82,6 +89,10 @@ _HELP = {
     "requests_recovered": "Requests recover() rolled back to their validated KV (they resume)",
     "tokens_rolled_back": "Tokens of recovered requests' lost steps (recomputed)",
     "requests_unrecoverable": "Requests recover() could not resume (finished with an error)",
+    "connector_handoffs_withheld": (
+        "Finished requests whose KV no connector received (last step not counted clean)"
+    ),
+    "tier_copies_purged": "Tier copies dropped because their hash was invalidated",
 }
 
 CONNECTOR_HELP = {
@@ -91,8 +102,19 @@ CONNECTOR_HELP = {
     "offload_chunks_stored": "Chunks stored to the CPU tier with every ticket acknowledged",
     "offload_chunks_discarded": "Chunks discarded from the CPU tier for a late acknowledgement",
     "offload_chunks_evicted": "Chunks the CPU tier evicted to make room for a store",
+    "offload_chunks_purged": "Chunks dropped from the CPU tier: a hash they hold was invalidated",
 }
-"""The guarded offloading connector's counters (``kvguard_counters``), with their help."""
+"""The guarded connectors' counters (``kvguard_stats``), with their help."""
+STORAGE_COUNTERS = {
+    "storage_stores_committed": "Shared-storage folders put in place after their step validated",
+    "storage_stores_discarded": "Shared-storage folders deleted unseen (their step failed)",
+    "storage_folders_purged": (
+        "Shared-storage folders deleted: a hash invalidated, or a step on their KV failed"
+    ),
+}
+"""The guarded example (shared-storage) connector's counters."""
+CONNECTOR_HELP.update(STORAGE_COUNTERS)
+
 
 _lock = threading.Lock()
 _live: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()

@@ -367,6 +367,10 @@ GUARDED_CONNECTORS: dict[tuple[str, str], tuple[str, str]] = {
         "vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector",
         "SimpleCPUOffloadConnector",
     ): ("kvguard.adapters.vllm.simple_cpu_offloading", "GuardedSimpleCPUOffloadConnector"),
+    (
+        "vllm.distributed.kv_transfer.kv_connector.v1.example_connector",
+        "ExampleConnector",
+    ): ("kvguard.adapters.vllm.example_connector", "GuardedExampleConnector"),
 }
 """vLLM's connectors whose copies kvguard gates, and the class the plugin gives for each
 (module, class name)."""

@@ -47,6 +47,7 @@ from typing import Any, ClassVar
 
 from kvguard.adapters.vllm._compat import require_supported_vllm, series_of
 from kvguard.errors import RollbackError
+from kvguard.hashing import BlockHash
 from kvguard.results import SlotRange
 from kvguard.zeroing import ZeroPolicy
 
@@ -62,8 +63,14 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from .binding import rebind_connectors, stale_references  # noqa: E402
-from .block_pool import GuardModeUnsupported  # noqa: E402
+from .block_pool import GuardModeUnsupported, group_suffix  # noqa: E402
 from .config import GuardConfig, GuardConfigError  # noqa: E402
+from .connector_gate import (  # noqa: E402
+    NORMAL_ENDS,
+    gate_of,
+    refuse_ungated,
+    withhold_from_connector,
+)
 from .manager import install_guarded_pool  # noqa: E402
 from .metrics import (  # noqa: E402
     GuardMetrics,
@@ -73,7 +80,6 @@ from .metrics import (  # noqa: E402
 )
 from .plugin import (  # noqa: E402
     GUARD_ENV,
-    GUARDED_CONNECTORS,
     guard_config,
     stock_needs_zeroing,
     worker_counts_per_request,
@@ -88,6 +94,7 @@ from .recovery import (  # noqa: E402
     why_not_resumable,
 )
 from .step_ledger import HeldFills, StepLedger, StepRecord  # noqa: E402
+from .tier_purge import TierPurgeReport  # noqa: E402
 
 logger = init_logger(f"vllm.{__name__}")
 """Under vLLM's logger: its handler, format (process name, pid) and level
@@ -169,6 +176,7 @@ class _GuardMixin:
     kv_cache_config: Any
     requests: dict[str, Any]
     vllm_config: Any
+    connector: Any
 
     _vllm_scheduler: ClassVar[Any]
     """The vLLM class the guard is mixed into: what runs with the guard off."""
@@ -192,6 +200,9 @@ class _GuardMixin:
         return scheduler
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        vllm_config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
+        # Before vLLM builds the connectors: a refused one may not even import.
+        refuse_ungated(vllm_config.kv_transfer_config)
         super().__init__(*args, **kwargs)
         guard = guard_for(self.vllm_config)  # on: __new__ built vLLM's scheduler otherwise
         if not envs.VLLM_COMPUTE_NANS_IN_LOGITS:
@@ -248,7 +259,12 @@ class _GuardMixin:
         )
         self._kvguard_rebind_connectors(vllm_pool)
         self._kvguard_setup_zeroing(self.kv_cache_config)
-        self._kvguard_check_connector()
+        # Connectors whose copies wait for a step's validation (GuardedExampleConnector).
+        self._kvguard_settle_stores = [
+            c.kvguard_settle_stores
+            for c in self._kvguard_connectors()
+            if hasattr(c, "kvguard_settle_stores")
+        ]
         if windowed:
             self._kvguard_name_window_frees()
         self.kvguard_metrics = GuardMetrics()
@@ -259,20 +275,13 @@ class _GuardMixin:
     def _kvguard_log_start(self) -> None:
         """The one INFO line per engine saying the guard is in force, and how."""
         checked = workers_checked(self.vllm_config)
-        connectors = self._kvguard_connectors()
-        gated = [type(c).__name__ for c in connectors if hasattr(c, "kvguard_stats")]
-        # A MultiConnector is listed through its children.
-        ungated = [
-            type(c).__name__
-            for c in connectors
-            if not hasattr(c, "kvguard_stats") and not hasattr(c, "sub_connectors")
-        ]
+        gated = [gate_of(c) for c in self._kvguard_connectors() if not hasattr(c, "sub_connectors")]
         managers = self.kv_cache_manager.coordinator.single_type_managers
         groups = [type(m.kv_cache_spec).__name__ for m in managers]
         logger.info(
             "kvguard: guard in force (vLLM %s, series %s, %s): workers checked: %s; "
             "zero policy: %s (block zeroing: %s); KV audit: %s; prefix caching: %s; "
-            "connectors gated: %s%s; KV cache groups guarded: %d (%s)",
+            "connectors gated: %s; KV cache groups guarded: %d (%s)",
             vllm.__version__,
             series_of(vllm.__version__),
             type(self).__name__,
@@ -284,7 +293,6 @@ class _GuardMixin:
             "on" if self._kvguard_audit else "off",
             "on" if self.kv_cache_manager.enable_caching else "off",
             ", ".join(gated) or "none",
-            f" (not gated: {', '.join(ungated)})" if ungated else "",
             len(groups),
             ", ".join(groups),
         )
@@ -341,27 +349,6 @@ class _GuardMixin:
         if connector is None:
             return []
         return [connector, *getattr(connector, "sub_connectors", ())]
-
-    def _kvguard_check_connector(self) -> None:
-        """A scheduler picked by hand (no plugin) runs vLLM's own offloading connectors,
-        whose copies kvguard does not gate: say so once per connector class, naming the
-        gated one the plugin would put in its place (:data:`GUARDED_CONNECTORS`)."""
-        warned: set[type] = set()
-        for connector in self._kvguard_connectors():
-            cls = type(connector)
-            guarded = GUARDED_CONNECTORS.get((cls.__module__, cls.__name__))
-            if guarded is None or cls in warned:
-                continue
-            warned.add(cls)
-            module, name = guarded
-            logger.warning(
-                "kvguard: vLLM's %s stores KV of steps that are not validated yet to its "
-                "CPU tier. Use kv_connector='%s' (kv_connector_module_path='%s'), or start "
-                "vLLM with KVGUARD_GUARD=1, which selects it for you.",
-                cls.__name__,
-                name,
-                module,
-            )
 
     def _kvguard_name_window_frees(self) -> None:
         """Sliding-window, chunked-local and R-SWA groups free blocks of a running
@@ -651,6 +638,8 @@ class _GuardMixin:
             pool.validate_settled()
         if ledger.noted.fills:
             self._kvguard_carry_late_fills(ledger.take_noted())
+        for settle_stores in self._kvguard_settle_stores:
+            settle_stores()
         for request in aborted:
             eco = outputs.get(request.client_index)
             if eco is None:
@@ -865,11 +854,48 @@ class _GuardMixin:
         for manager in self.kv_cache_manager.coordinator.single_type_managers:
             pool.free_blocks(reversed(manager.pop_blocks_for_free(req_id)), steps_passed=True)
 
+    def _connector_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        # The request-finished gate (kvguard.adapters.vllm.connector_gate): only a
+        # request that ended after clean, counted steps is handed to the connector.
+        finished = super()._connector_finished  # type: ignore[misc]
+        if request.request_id in self._kvguard_clean or self.connector is None:
+            return finished(request)
+        if request.status in NORMAL_ENDS:
+            self.kvguard_metrics.connector_handoffs_withheld += 1
+        return withhold_from_connector(finished, request)
+
     def _free_request(self, request: Any, delay_free_blocks: bool = False) -> Any:
         self._kvguard_settle(request)
         return super()._free_request(  # type: ignore[misc]
             request, delay_free_blocks=delay_free_blocks
         )
+
+    # ------------------------------------------------------------------ invalidation
+
+    def kvguard_invalidate(
+        self, block_hashes: Iterable[bytes], *, descendants: bool = True
+    ) -> TierPurgeReport:
+        """KV found corrupt after the fact: taint vLLM's block hashes (as in
+        ``Request.block_hashes``) in every KV cache group. Blocks holding them leave
+        the prefix cache and are quarantined, the requests holding them are aborted
+        (kvguard's record; vLLM's requests run on unless the caller finishes them),
+        and every tier copy of them is purged from the tier that holds it (the
+        guarded connectors' CPU tiers and stores). With ``descendants``, the hashes
+        chained after them too: their KV was computed attending to the corrupt KV."""
+        groups = len(self.kv_cache_config.kv_cache_groups)
+        keys = [BlockHash(h + group_suffix(g)) for h in block_hashes for g in range(groups)]
+        report = self.kvguard_pool.invalidate(keys, descendants=descendants)
+        self.kvguard_metrics.tier_copies_purged += report.copies_purged
+        logger.warning(
+            "kvguard: invalidated %d block hash(es): %d block(s) quarantined, %d tier "
+            "cop(ies) purged (%s)",
+            len(report.invalidation.hashes),
+            len(report.invalidation.block_ids),
+            report.copies_purged,
+            ", ".join(f"{tier}: {len(h)}" for tier, h in sorted(report.purged.items()))
+            or "no tier held one",
+        )
+        return report
 
     # ------------------------------------------------------------------ metrics
 

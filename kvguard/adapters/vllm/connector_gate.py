@@ -1,0 +1,230 @@
+"""Every KV connector under a guarded scheduler: gated, or refused at start-up.
+
+KV leaves (or enters) an instance through a connector at one of three moments, and
+that moment decides how kvguard can gate it:
+
+* **copies the scheduler side picks** (vLLM's CPU offloading, SimpleCPU offloading,
+  the example connector's shared storage): kvguard's subclass of the connector copies,
+  or makes visible, only blocks whose steps validated (:data:`GUARDED`; the plugin
+  substitutes it for vLLM's name). vLLM's own class under a guarded scheduler is
+  refused, naming the subclass.
+* **KV of a finished request**, shipped from ``request_finished`` (prefill/decode:
+  NIXL, Mooncake, MoRIIO): the request-finished gate (:func:`connector_finished`)
+  shows the connector a request that did not end after clean, counted steps as
+  aborted, so it sends and keeps nothing of it, and hands the client no transfer
+  parameters.
+* **KV saved by the workers during the forward**, before the step's NaN count exists
+  (LMCache, Mooncake's and UMBP's stores, HF3FS, FlexKV, ...): nothing on the
+  scheduler side can hold such a save back, and these stores offer the scheduler no
+  delete. They are refused at start-up, with the reason and what to run instead.
+
+KV a connector *loads* is gated for every connector alike by the guarded scheduler:
+the blocks it fills are WRITTEN until a step of the request, computing on them, is
+counted clean. :data:`COVERAGE` names every connector vLLM ships (0.32 to 0.34); a
+connector not in it (``kv_connector_module_path``) is refused unless its
+``kv_connector_extra_config`` declares ``"kvguard_exit": "request_finished"`` -- that it
+ships KV only from ``request_finished`` -- or ``"loads_only"``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.logger import init_logger
+from vllm.v1.request import RequestStatus
+
+from .config import GuardConfigError
+
+logger = init_logger(f"vllm.{__name__}")
+
+
+class Exit(enum.Enum):
+    """When a connector's KV leaves the instance, as far as kvguard can gate it."""
+
+    GATED = "gated"
+    """kvguard's subclass: it copies or exposes validated blocks only."""
+    AT_FINISH = "request_finished"
+    """KV of finished requests, from ``request_finished``: the request-finished gate."""
+    LOADS_ONLY = "loads_only"
+    """Brings KV in, never out (loads wait for a step to vouch for them)."""
+    REFUSED = "refused"
+    """Saves during the forward, before validation: the engine refuses to start."""
+
+
+@dataclass(frozen=True, slots=True)
+class Coverage:
+    exit: Exit
+    why: str = ""
+    """For a refused connector: what it does that kvguard cannot gate, and what to
+    run instead."""
+
+
+_FORWARD_SAVE = (
+    "its workers save KV during the forward, before the step's NaN count exists, and "
+    "its store offers the scheduler no delete, so kvguard can neither hold a save back "
+    "nor withdraw a failed one"
+)
+_INSTEAD = (
+    "Use vLLM's OffloadingConnector or SimpleCPUOffloadConnector (gated) for a CPU tier, "
+    "ExampleConnector (gated) for shared storage, NixlConnector or MooncakeConnector for "
+    "prefill/decode; or run this connector unguarded (KVGUARD_GUARD=0)."
+)
+
+COVERAGE: dict[str, Coverage] = {
+    # Gated by kvguard's subclasses (plugin.GUARDED_CONNECTORS).
+    "GuardedOffloadingConnector": Coverage(Exit.GATED),
+    "GuardedSimpleCPUOffloadConnector": Coverage(Exit.GATED),
+    "GuardedExampleConnector": Coverage(Exit.GATED),
+    # Prefill/decode: the decode instance reads a finished request's blocks.
+    "NixlConnector": Coverage(Exit.AT_FINISH),
+    "NixlPullConnector": Coverage(Exit.AT_FINISH),
+    "NixlPushConnector": Coverage(Exit.AT_FINISH),
+    "MooncakeConnector": Coverage(Exit.AT_FINISH),
+    "MoRIIOConnector": Coverage(Exit.AT_FINISH),
+    # KV in, none out.
+    "DecodeBenchConnector": Coverage(Exit.LOADS_ONLY),
+    # Saved from the forward.
+    "LMCacheConnectorV1": Coverage(Exit.REFUSED, f"{_FORWARD_SAVE}. {_INSTEAD}"),
+    "LMCacheMPConnector": Coverage(Exit.REFUSED, f"{_FORWARD_SAVE}. {_INSTEAD}"),
+    "MooncakeStoreConnector": Coverage(Exit.REFUSED, f"{_FORWARD_SAVE}. {_INSTEAD}"),
+    "UMBPStoreConnector": Coverage(Exit.REFUSED, f"{_FORWARD_SAVE}. {_INSTEAD}"),
+    "HF3FSKVConnector": Coverage(Exit.REFUSED, f"{_FORWARD_SAVE}. {_INSTEAD}"),
+    "FlexKVConnectorV1": Coverage(Exit.REFUSED, f"{_FORWARD_SAVE}. {_INSTEAD}"),
+    "P2pNcclConnector": Coverage(Exit.REFUSED, f"{_FORWARD_SAVE}. {_INSTEAD}"),
+    "HiSparseConnector": Coverage(Exit.REFUSED, f"{_FORWARD_SAVE}. {_INSTEAD}"),
+    "ExampleHiddenStatesConnector": Coverage(Exit.REFUSED, f"{_FORWARD_SAVE}. {_INSTEAD}"),
+}
+"""Every connector vLLM ships, and kvguard's gated classes, by class name."""
+
+DECLARED = "kvguard_exit"
+"""The ``kv_connector_extra_config`` key by which a connector kvguard does not know
+declares when its KV leaves: ``"request_finished"`` or ``"loads_only"``."""
+
+
+def refuse_ungated(kv_transfer_config: Any) -> None:
+    """Refuse to start (:class:`GuardConfigError`) if a configured connector's copies
+    cannot be gated, naming the connector and what to run instead. Read from the
+    config, before vLLM builds a connector (a refused one may not even import)."""
+    if kv_transfer_config is None or kv_transfer_config.kv_connector is None:
+        return
+    for name, module_path, extra in configured_connectors(kv_transfer_config):
+        coverage = coverage_of(name, module_path, extra)
+        if coverage.exit is Exit.REFUSED:
+            raise GuardConfigError(f"kvguard cannot gate the KV connector {name}: {coverage.why}.")
+
+
+def configured_connectors(
+    kv_transfer_config: Any,
+) -> Iterator[tuple[str, str | None, dict[str, Any]]]:
+    """(name, module path, extra config) of each connector configured, a
+    ``MultiConnector``'s children in its place."""
+    yield from _entries(
+        kv_transfer_config.kv_connector,
+        kv_transfer_config.kv_connector_module_path,
+        dict(kv_transfer_config.kv_connector_extra_config or {}),
+    )
+
+
+def _entries(
+    name: str, module_path: str | None, extra: dict[str, Any]
+) -> Iterator[tuple[str, str | None, dict[str, Any]]]:
+    if name == "MultiConnector" and not module_path:
+        for child in extra.get("connectors", ()):
+            yield from _entries(
+                child.get("kv_connector"),
+                child.get("kv_connector_module_path"),
+                dict(child.get("kv_connector_extra_config") or {}),
+            )
+        return
+    yield name, module_path, extra
+
+
+def coverage_of(name: str, module_path: str | None, extra: dict[str, Any]) -> Coverage:
+    """How kvguard gates the connector configured as ``name`` (``module_path``: an
+    out-of-tree module, or None for vLLM's registry)."""
+    from .plugin import GUARDED_CONNECTORS
+
+    vllm_name = module_path is None or module_path.startswith("vllm.")
+    if vllm_name and name in {cls for _, cls in GUARDED_CONNECTORS}:
+        # vLLM's class with a gated subclass: the plugin's factory substitutes it.
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        config = _Named(name, module_path)
+        cls = KVConnectorFactory.get_connector_class(config)
+        if cls.__module__.startswith("kvguard."):
+            return Coverage(Exit.GATED)
+        module, guarded = GUARDED_CONNECTORS[(cls.__module__, cls.__name__)]
+        return Coverage(
+            Exit.REFUSED,
+            "vLLM's own class copies KV of steps that are not validated yet. Use "
+            f"kv_connector='{guarded}' (kv_connector_module_path='{module}'), or start "
+            "vLLM with KVGUARD_GUARD=1, which selects it for you",
+        )
+    if vllm_name or str(module_path).startswith("kvguard."):
+        known = COVERAGE.get(name)
+        if known is not None:
+            return known
+    declared = extra.get(DECLARED)
+    for exit_ in (Exit.AT_FINISH, Exit.LOADS_ONLY):
+        if declared == exit_.value:
+            return Coverage(exit_)
+    return Coverage(
+        Exit.REFUSED,
+        "kvguard does not know when this connector copies KV. If it ships KV only from "
+        "request_finished, or only loads KV, declare it in its kv_connector_extra_config: "
+        f'{{"{DECLARED}": "request_finished"}} (or "loads_only"); otherwise run it '
+        "unguarded (KVGUARD_GUARD=0)",
+    )
+
+
+_SHOWN = {Exit.AT_FINISH: "at request_finished", Exit.LOADS_ONLY: "loads only"}
+
+
+def gate_of(connector: Any) -> str:
+    """A built connector as the start-up line names it: its class, and how it is
+    gated unless by a subclass of kvguard's (which counts its copies)."""
+    name = type(connector).__name__
+    if hasattr(connector, "kvguard_stats"):
+        return name
+    known = COVERAGE.get(name)
+    config = getattr(connector, "_kv_transfer_config", None)
+    extra = getattr(config, "kv_connector_extra_config", None) or {}
+    exit_ = known.exit if known is not None else Exit(extra.get(DECLARED, "refused"))
+    return f"{name} ({_SHOWN.get(exit_, exit_.value)})"
+
+
+@dataclass(frozen=True, slots=True)
+class _Named:
+    """What vLLM's connector factory reads of a ``KVTransferConfig``."""
+
+    kv_connector: str
+    kv_connector_module_path: str | None
+
+
+NORMAL_ENDS = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED})
+
+
+def withhold_from_connector(call: Any, request: Any) -> tuple[bool, dict[str, Any] | None]:
+    """Run vLLM's ``_connector_finished`` (``call``) for a request that did not end
+    after clean, counted steps: the connector is shown the request as aborted -- every
+    connector vLLM ships then sends and keeps nothing of it (a pending receive is
+    cleaned up as for a client abort) -- and no transfer parameters reach the client.
+    Returns whether vLLM must keep the blocks for the connector (it may still read
+    them for a transfer in flight), and None."""
+    status = request.status
+    request.status = RequestStatus.FINISHED_ABORTED
+    try:
+        delay_free, _ = call(request)
+    finally:
+        request.status = status
+    if status in NORMAL_ENDS:
+        logger.warning(
+            "kvguard: request %s finished, but its last step was not counted clean (no "
+            "NaN count for it, or a step still in flight): its KV is not handed to the "
+            "KV connector (no send, no save); a decode instance computes it afresh",
+            request.request_id,
+        )
+    return bool(delay_free), None

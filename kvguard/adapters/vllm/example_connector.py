@@ -1,0 +1,304 @@
+"""``GuardedExampleConnector``: vLLM's ``ExampleConnector`` (shared-storage KV) gated.
+
+vLLM's ``ExampleConnector`` keeps KV in a folder per prompt on a storage path the
+instances share (``shared_storage_path``; one safetensors file per layer). It decides at
+schedule time (``build_connector_meta``) to store a new request's prompt when no folder
+holds it, and its workers write the files from the paged cache layer by layer *during
+the forward* (``save_kv_layer``) -- before the step's NaN count exists. A lookup is
+``os.path.exists(folder)``, so stock vLLM serves a failed step's KV to every instance
+on that storage, prefill/decode included.
+
+This subclass keeps the workers' copy where it is made, but out of sight:
+
+* **Staged, then committed.** Each store is written into a staging folder of its own
+  (``<folder>.kvguard-<n>``), which no lookup finds. When the step's output has been
+  processed (:meth:`kvguard_settle_stores`, called by the guarded scheduler after each
+  output), a store whose blocks kvguard holds as VALIDATED or later, with the request's
+  hash at each position, is committed: renamed into place (atomic on one filesystem),
+  and recorded as a tier copy (``begin_store`` / ``ack_store``). A store with a block
+  quarantined or reused meanwhile -- its step failed, or never validated -- is deleted.
+  One still waiting for a step (a step without a NaN count) stays staged.
+* **Loads** are what any connector loads: the blocks vLLM allocated for them are
+  WRITTEN until a step of the request, computing on them, is counted clean. A folder
+  whose loaded blocks are then quarantined (that step failed) is deleted: its KV may be
+  what failed. One whose blocks validate is recorded as a tier copy.
+* **Purged by hash**: a hash :meth:`GuardedBlockPool.invalidate
+  <kvguard.adapters.vllm.block_pool.GuardedBlockPool.invalidate>` taints deletes every
+  folder recorded to hold it (:mod:`kvguard.adapters.vllm.tier_purge`).
+
+kvguard gates the stores by block hashes, which vLLM computes with prefix caching on:
+with it off the guarded scheduler refuses this connector at start-up. Without kvguard's
+pool underneath (the guard off) it is vLLM's ``ExampleConnector``. The plugin
+(``KVGUARD_GUARD=1``) substitutes it for ``kv_connector="ExampleConnector"``, also
+inside a ``MultiConnector``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvguard.adapters.vllm._compat import require_supported_vllm
+
+require_supported_vllm()
+
+from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (  # noqa: E402
+    ExampleConnector,
+)
+from vllm.logger import init_logger  # noqa: E402
+
+from kvguard.errors import NotStorableError  # noqa: E402
+from kvguard.hashing import BlockHash  # noqa: E402
+from kvguard.states import STORABLE_STATES, BlockState  # noqa: E402
+
+from .block_pool import GuardedBlockPool, group_suffix  # noqa: E402
+from .config import GuardConfigError  # noqa: E402
+from .metrics import STORAGE_COUNTERS  # noqa: E402
+
+logger = init_logger(f"vllm.{__name__}")
+"""Under vLLM's logger, as the scheduler's: vLLM's handler, format and level apply."""
+
+TIER = "vllm-example-storage"
+"""The tier name kvguard records the connector's folders under (``tier_copies``)."""
+
+_STAGING = ".kvguard-"
+"""Marks a staging folder: ``<folder>.kvguard-<pid>-<n>`` (no lookup names it)."""
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A folder written by a step not validated yet: a store (``staging`` set) or a
+    load, and the blocks and kvguard hashes that must validate for it."""
+
+    request_id: str
+    folder: str
+    staging: str | None
+    block_ids: tuple[int, ...]
+    hashes: tuple[BlockHash, ...]
+
+
+class GuardedExampleConnector(ExampleConnector):
+    """vLLM's ``ExampleConnector`` whose stores become visible only once validated.
+
+    Counters (``kvguard_stats``): ``storage_stores_committed`` folders renamed into
+    place after their step validated; ``storage_stores_discarded`` staged folders
+    deleted (their step failed or never validated); ``storage_folders_purged`` folders
+    deleted because a hash they hold was invalidated or a step computing on their KV
+    failed.
+    """
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._kvguard_pool: GuardedBlockPool | None = None
+        # Scheduler side: requests handed to the connector this step (their hashes).
+        self._kvguard_new: dict[str, Any] = {}
+        self._kvguard_pending: list[_Pending] = []
+        # Folders kvguard records as holding validated KV, and the hashes in each.
+        self._kvguard_folders: dict[str, tuple[BlockHash, ...]] = {}
+        self._kvguard_holders: dict[BlockHash, set[str]] = {}
+        self._kvguard_names = (f"{_STAGING}{os.getpid()}-{n}" for n in itertools.count())
+        # Worker side: the staging folder of the store being written, if any.
+        self._kvguard_into: str | None = None
+        self.kvguard_counters = dict.fromkeys(STORAGE_COUNTERS, 0)
+
+    # ------------------------------------------------------------------ binding
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        super().bind_gpu_block_pool(gpu_block_pool)
+        if isinstance(gpu_block_pool, GuardedBlockPool):
+            if not gpu_block_pool.enable_caching:
+                raise GuardConfigError(
+                    "kvguard gates ExampleConnector's stores by the block hashes vLLM "
+                    "computes with prefix caching: turn prefix caching on "
+                    "(--enable-prefix-caching), or run this connector unguarded "
+                    "(KVGUARD_GUARD=0)"
+                )
+            self._kvguard_pool = gpu_block_pool
+            gpu_block_pool.tier_purgers.add(TIER, self._kvguard_purge)
+
+    def kvguard_stats(self) -> dict[str, int]:
+        return dict(self.kvguard_counters)
+
+    # ------------------------------------------------------------------ worker side
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        # vLLM's save, one request at a time, each into the folder the scheduler chose
+        # (a staging folder under the guard; vLLM's own otherwise).
+        meta = self._get_connector_metadata()
+        requests = meta.requests
+        try:
+            for request in requests:
+                if request.is_store:
+                    meta.requests = [request]
+                    self._kvguard_into = getattr(request, "kvguard_staging", None)
+                    super().save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+        finally:
+            meta.requests = requests
+            self._kvguard_into = None
+
+    def _generate_foldername_debug(
+        self, token_ids: Any, mm_hashes: list[str], create_folder: bool = False
+    ) -> str:
+        folder = self._kvguard_into
+        if folder is None:
+            return str(super()._generate_foldername_debug(token_ids, mm_hashes, create_folder))
+        if create_folder:
+            os.makedirs(folder, exist_ok=True)
+        return folder
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        self._kvguard_new[request.request_id] = request
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        loading = dict(self._requests_need_load)
+        meta = super().build_connector_meta(scheduler_output)
+        new, self._kvguard_new = self._kvguard_new, {}
+        pool = self._kvguard_pool
+        if pool is None:
+            return meta
+        # vLLM's metadata names no request: match each entry to its request by the
+        # tokens it covers (the requests it could be: loads, or new ones storing). A
+        # store matching none (not expected) is left out: nothing could validate it.
+        storing = [r for r in new.values() if r.request_id not in loading]
+        kept = []
+        for entry in meta.requests:
+            candidates = storing if entry.is_store else list(loading.values())
+            request = _take_match(candidates, entry.token_ids.tolist())
+            if request is not None:
+                self._kvguard_pending.append(self._kvguard_pend(request, entry))
+            elif entry.is_store:
+                logger.warning("kvguard: a shared-storage store matches no request; not saved")
+                continue
+            kept.append(entry)
+        meta.requests = kept
+        return meta
+
+    def _kvguard_pend(self, request: Any, entry: Any) -> _Pending:
+        """The pending record of a metadata entry: a store gets its staging folder."""
+        block_size = self._block_size
+        slots = entry.slot_mapping.tolist()
+        block_ids = tuple(s // block_size for s in slots[::block_size])
+        suffix = group_suffix(0)
+        hashes = tuple(BlockHash(h + suffix) for h in request.block_hashes[: len(block_ids)])
+        block_ids = block_ids[: len(hashes)]
+        folder = str(super()._generate_foldername_debug(entry.token_ids, entry.mm_hashes, False))
+        staging = None
+        if entry.is_store:
+            staging = entry.kvguard_staging = f"{folder}{next(self._kvguard_names)}"
+        return _Pending(request.request_id, folder, staging, block_ids, hashes)
+
+    def kvguard_settle_stores(self) -> None:
+        """After an output was processed: commit what validated, delete what failed."""
+        pending = self._kvguard_pending
+        pool = self._kvguard_pool
+        if not pending or pool is None:
+            return
+        records = pool.blocks
+        waiting: list[_Pending] = []
+        for item in pending:
+            verdict = _verdict(records, item)
+            if verdict is True:
+                self._kvguard_commit(pool, item)
+            elif verdict is False:
+                self._kvguard_fail(item)
+            else:
+                waiting.append(item)
+        self._kvguard_pending = waiting
+
+    def _kvguard_commit(self, pool: GuardedBlockPool, item: _Pending) -> None:
+        """Every block of the folder validated: put a store's folder in place, and
+        record the tier copy (a load's folder holds what the step vouched for)."""
+        if item.staging is not None:
+            try:
+                os.rename(item.staging, item.folder)
+            except OSError:  # another store of this prompt is in place already
+                self._kvguard_discard(item.staging)
+                return
+            self.kvguard_counters["storage_stores_committed"] += 1
+        core = pool.core
+        for block_id in item.block_ids:
+            try:
+                core.ack_store(core.begin_store(block_id, TIER))
+            except NotStorableError:  # (checked just above: not expected)
+                continue
+        self._kvguard_folders[item.folder] = item.hashes
+        for block_hash in item.hashes:
+            self._kvguard_holders.setdefault(block_hash, set()).add(item.folder)
+
+    def _kvguard_fail(self, item: _Pending) -> None:
+        """A block of the folder was quarantined (or reused): its step failed, or never
+        validated. A store is deleted unseen; a loaded folder, whose KV the failed
+        step computed on, is deleted too (a cache miss at worst)."""
+        if item.staging is not None:
+            self._kvguard_discard(item.staging)
+            return
+        if os.path.isdir(item.folder):
+            self._kvguard_delete(item.folder)
+            logger.warning(
+                "kvguard: request %s failed computing on KV loaded from %s; the folder is deleted",
+                item.request_id,
+                item.folder,
+            )
+
+    def _kvguard_discard(self, staging: str) -> None:
+        shutil.rmtree(staging, ignore_errors=True)
+        self.kvguard_counters["storage_stores_discarded"] += 1
+
+    def _kvguard_delete(self, folder: str) -> None:
+        """Delete a folder in place and kvguard's record of what it held."""
+        shutil.rmtree(folder, ignore_errors=True)
+        self.kvguard_counters["storage_folders_purged"] += 1
+        pool = self._kvguard_pool
+        for block_hash in self._kvguard_folders.pop(folder, ()):
+            holders = self._kvguard_holders.get(block_hash)
+            if holders is None:
+                continue
+            holders.discard(folder)
+            if not holders:
+                del self._kvguard_holders[block_hash]
+                if pool is not None:
+                    pool.core.forget_tier_copy(TIER, block_hash)
+
+    def _kvguard_purge(self, hashes: Sequence[BlockHash]) -> Iterable[BlockHash]:
+        """The tier's purger: delete every folder holding one of ``hashes``."""
+        purged = []
+        for block_hash in hashes:
+            folders = self._kvguard_holders.get(block_hash)
+            if not folders:
+                continue
+            purged.append(block_hash)
+            for folder in sorted(folders):
+                self._kvguard_delete(folder)
+        return purged
+
+
+def _verdict(records: Sequence[Any], item: _Pending) -> bool | None:
+    """True when every block of ``item`` is VALIDATED or later under its hash; None
+    while one is still being written (its step not validated yet); False otherwise
+    (quarantined, released, or holding other tokens now)."""
+    verdict: bool | None = True
+    for block_id, block_hash in zip(item.block_ids, item.hashes, strict=True):
+        block = records[block_id]
+        if block.state is BlockState.WRITTEN:
+            verdict = None
+        elif block.state not in STORABLE_STATES or block.block_hash != block_hash:
+            return False
+    return verdict
+
+
+def _take_match(candidates: list[Any], token_ids: list[int]) -> Any:
+    """Remove and return the first request whose tokens start with ``token_ids``."""
+    n = len(token_ids)
+    for i, request in enumerate(candidates):
+        if list(request.all_token_ids[:n]) == token_ids:
+            return candidates.pop(i)
+    return None
