@@ -35,6 +35,15 @@ def undo_plugin_patches_after(monkeypatch: pytest.MonkeyPatch) -> None:
     )
     monkeypatch.setattr(KVConnectorFactory, "_registry", dict(KVConnectorFactory._registry))
     monkeypatch.setattr(EngineCoreSentinel, "on_fault", EngineCoreSentinel.on_fault)
+    from vllm.v1.engine.core import EngineCore
+
+    # (Added by the plugin: removed again on undo.)
+    monkeypatch.setattr(
+        EngineCore,
+        "kvguard_invalidate_tokens",
+        getattr(EngineCore, "kvguard_invalidate_tokens", None),
+        raising=False,
+    )
     undo_runner_patches_after(monkeypatch)
 
 

@@ -21,7 +21,7 @@ def test_the_counter_table_lists_every_served_counter_once() -> None:
     listed = _table_counters()
     assert len(listed) == len(set(listed)), listed
     served = set(metrics._FRONT_END_HELP)
-    assert set(metrics.GuardMetrics.__slots__) | set(metrics.CONNECTOR_HELP) <= served
+    assert set(metrics.GuardMetrics.__slots__) | set(metrics.SERVED_CONNECTOR_HELP) <= served
     assert set(listed) == served, (
         f"missing from docs/vllm.md: {sorted(served - set(listed))}; "
         f"not a counter: {sorted(set(listed) - served)}"

@@ -104,7 +104,8 @@ CONNECTOR_HELP = {
     "offload_chunks_evicted": "Chunks the CPU tier evicted to make room for a store",
     "offload_chunks_purged": "Chunks dropped from the CPU tier: a hash they hold was invalidated",
 }
-"""The guarded connectors' counters (``kvguard_stats``), with their help."""
+"""The guarded CPU offloading connectors' counters (``kvguard_counters``), with their
+help."""
 STORAGE_COUNTERS = {
     "storage_stores_committed": "Shared-storage folders put in place after their step validated",
     "storage_stores_discarded": "Shared-storage folders deleted unseen (their step failed)",
@@ -112,8 +113,10 @@ STORAGE_COUNTERS = {
         "Shared-storage folders deleted: a hash invalidated, or a step on their KV failed"
     ),
 }
-"""The guarded example (shared-storage) connector's counters."""
-CONNECTOR_HELP.update(STORAGE_COUNTERS)
+"""The guarded example (shared-storage) connector's counters, with their help."""
+
+SERVED_CONNECTOR_HELP = {**CONNECTOR_HELP, **STORAGE_COUNTERS}
+"""Every guarded connector's counters, served on ``/metrics`` (0 without one)."""
 
 
 _lock = threading.Lock()
@@ -137,7 +140,7 @@ class _GuardCollector:
                 counter.add_metric([key], getattr(scheduler.kvguard_metrics, name))
             yield counter
         connectors = [(key, connector_counters(scheduler)) for key, scheduler in live]
-        for name, help_text in CONNECTOR_HELP.items():
+        for name, help_text in SERVED_CONNECTOR_HELP.items():
             counter = CounterMetricFamily(f"kvguard_vllm_{name}", help_text, labels=[LABEL])
             for key, counters in connectors:
                 if counters is not None:
@@ -279,7 +282,7 @@ class _FrontEndCollector:
 
 _FRONT_END_HELP = {
     **_HELP,
-    **CONNECTOR_HELP,
+    **SERVED_CONNECTOR_HELP,
     "blocks_quarantined": "Blocks quarantined (written by a failed or never-validated step)",
     "withheld_publications": "Full blocks kept out of the prefix cache until their step validated",
     "dropped_acks": "Tier store acknowledgements dropped (block quarantined or reused meanwhile)",

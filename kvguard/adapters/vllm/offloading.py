@@ -29,6 +29,17 @@ code unchanged.
   (to make room for a store: ``prepare_store``'s ``evicted_keys``) or drops in a cache
   reset has its blocks' records withdrawn, so ``tier_copies`` names only chunks the
   tier holds, and the record stays the tier's size on a server that runs for weeks.
+* **Invalidated copies are purged** (:mod:`kvguard.adapters.vllm.tier_purge`): bound to
+  kvguard's pool, the connector registers a purger for its tier. Each chunk holding an
+  invalidated hash leaves vLLM's CPU manager as an eviction would (its CPU chunk is
+  free again, a removal event goes out), the chunk as a whole: its other blocks'
+  records are withdrawn. A chunk being loaded (pinned by vLLM's manager) is kept out
+  of every lookup at once and dropped when its last load completes -- the workers
+  are reading its CPU chunk, which must not be handed to a store before. A chunk
+  whose store is still running needs no purge: its tickets fail at the
+  acknowledgement (the invalidation changed its blocks), which discards it. Only
+  vLLM's own ``CPUOffloadingManager`` is purged; under another manager (tiering, an
+  out-of-tree spec) invalidated copies are reported unpurged.
 
 Without kvguard's pool underneath (stock scheduler, or the guard off: vLLM's own
 scheduler and pool) it is vLLM's ``OffloadingConnector``. Select it with
@@ -39,7 +50,8 @@ kv_connector_module_path="kvguard.adapters.vllm.offloading")``, or let the plugi
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
+from contextlib import nullcontext
 from itertools import chain
 from typing import Any
 
@@ -74,6 +86,8 @@ from vllm.logger import init_logger  # noqa: E402
 from vllm.v1.core.kv_cache_utils import (  # noqa: E402
     resolve_block_hashes,
 )
+from vllm.v1.kv_offload.base import LookupResult, OffloadingEvent  # noqa: E402
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 
 from kvguard.errors import NotStorableError  # noqa: E402
@@ -99,6 +113,21 @@ def fail_tickets(core: Any, by_key: dict[Any, list[StoreTicket]]) -> None:
             core.fail_store(ticket)
 
 
+def drop_idle_chunks(manager: CPUOffloadingManager, chunks: list[tuple[Any, Any]]) -> None:
+    """Remove ready chunks no transfer uses ((offload key, chunk status) pairs) from
+    vLLM's CPU manager, as its ``prepare_store`` evicts them: out of the cache policy,
+    their CPU chunks back on the free list, one removal event (the KV events name them
+    gone). vLLM's manager has no call for it; these internals are the same in every
+    supported series."""
+    for key, chunk in chunks:
+        manager._policy.remove(key)
+        manager._num_evictable_cache_chunks -= 1
+        manager._free_chunk(chunk)
+    if chunks and manager.events is not None:
+        keys = [key for key, _ in chunks]
+        manager.events.append(OffloadingEvent(keys=keys, medium=manager.medium, removed=True))
+
+
 class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
     """The scheduler side of :class:`GuardedOffloadingConnector`."""
 
@@ -111,7 +140,12 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
         # to forget when the tier evicts the chunk (at most one entry per chunk the
         # tier holds, so kvguard's record of tier copies stays the tier's size).
         self._kvguard_stored: dict[Any, tuple[BlockHash, ...]] = {}
+        # Offload keys of purged chunks still being loaded: out of every lookup, dropped
+        # from the tier when their last load completes (see _kvguard_purge).
+        self._kvguard_purging: set[Any] = set()
         self._kvguard_observe_tier_evictions()
+        if type(self.manager) is CPUOffloadingManager:
+            self._kvguard_observe_loads()
         self.kvguard_counters = dict.fromkeys(CONNECTOR_HELP, 0)
 
     def _kvguard_observe_tier_evictions(self) -> None:
@@ -142,7 +176,22 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
                     pool.core.forget_tier_copy(TIER, block_hash)
 
     def kvguard_bind(self, kv_cache_manager: Any) -> None:
+        """Bind to the scheduler's KV cache manager: vLLM's pool at first, kvguard's
+        once the guarded scheduler installed it and binds the connectors again; then
+        the tier's purger is registered with kvguard's pool."""
         self._kvguard_kv_cache_manager = kv_cache_manager
+        pool = self.kvguard_pool()
+        if pool is None:
+            return
+        if type(self.manager) is CPUOffloadingManager:
+            pool.tier_purgers.add(TIER, self._kvguard_purge)
+        else:
+            logger.warning(
+                "kvguard: the offloading connector's manager is %s, not vLLM's "
+                "CPUOffloadingManager: copies of KV invalidated after the fact cannot be "
+                "purged from its tiers (each invalidation reports them unpurged)",
+                type(self.manager).__name__,
+            )
 
     def kvguard_pool(self) -> GuardedBlockPool | None:
         """kvguard's pool under the scheduler, or None (vLLM's own pool: stock vLLM or
@@ -398,6 +447,87 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
             req_status = self._req_status[status.req_id]
             self.manager.complete_store(discard, req_status.req_context, success=False)
 
+    # ------------------------------------------------------------------ purging
+
+    def _kvguard_purge(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
+        """The tier's purger (:mod:`kvguard.adapters.vllm.tier_purge`): drop every chunk
+        holding one of ``hashes`` (kvguard's keys) from vLLM's CPU manager; returns
+        those hashes whose copy was dropped.
+
+        A chunk goes as a whole, so the records of its other blocks are withdrawn too
+        (unless another chunk the tier holds has them). Invalidations are rare: this
+        scans kvguard's record of the tier's chunks rather than keep an index by hash
+        on the store path."""
+        wanted = set(hashes)
+        stored = self._kvguard_stored
+        chunks = [key for key, held in stored.items() if not wanted.isdisjoint(held)]
+        if not chunks:
+            return []
+        purged: dict[BlockHash, None] = {}
+        others: set[BlockHash] = set()
+        idle: list[tuple[Any, Any]] = []
+        dropped = 0
+        with self._kvguard_manager_lock():
+            manager = self.manager
+            for key in chunks:
+                held = stored.pop(key)
+                others.update(held)
+                chunk = manager._policy.get(key)
+                if chunk is None or not chunk.is_ready:
+                    # Not in the tier, or stored again and still being written
+                    # (kvguard records a chunk once its store completed): that store's
+                    # tickets fail at its acknowledgement, which discards it.
+                    continue
+                if chunk.ref_cnt > 0:
+                    # Being loaded: the workers read its CPU chunk, which must not go
+                    # to a store before they are done. It leaves every lookup now.
+                    self._kvguard_purging.add(key)
+                else:
+                    idle.append((key, chunk))
+                purged.update((h, None) for h in held if h in wanted)
+                dropped += 1
+            drop_idle_chunks(manager, idle)
+        # (The core dropped its record of ``hashes`` itself, when it invalidated them.)
+        others.difference_update(wanted)
+        pool = self.kvguard_pool()
+        if others and pool is not None:
+            others.difference_update(chain.from_iterable(stored.values()))
+            for block_hash in others:
+                pool.core.forget_tier_copy(TIER, block_hash)
+        self.kvguard_counters["offload_chunks_purged"] += dropped
+        return list(purged)
+
+    def _kvguard_observe_loads(self) -> None:
+        """A purged chunk being loaded is a miss for every lookup, and leaves the tier
+        when its last load completes (``complete_load``)."""
+        manager = self.manager
+        lookup = manager.lookup
+        complete_load = manager.complete_load
+        purging = self._kvguard_purging
+        miss = LookupResult.MISS
+
+        def observed_lookup(key: Any, req_context: Any) -> Any:
+            if purging and key in purging:
+                return miss
+            return lookup(key, req_context)
+
+        def observed_complete_load(keys: Collection[Any], req_context: Any) -> None:
+            complete_load(keys, req_context)
+            if purging:
+                get = manager._policy.get
+                found = [(key, get(key)) for key in purging.intersection(keys)]
+                done = [(k, chunk) for k, chunk in found if chunk is not None and not chunk.ref_cnt]
+                purging.difference_update(key for key, _ in done)
+                drop_idle_chunks(manager, done)
+
+        manager.lookup = observed_lookup
+        manager.complete_load = observed_complete_load
+
+    def _kvguard_manager_lock(self) -> Any:
+        """The offloading manager's lock, which every caller of the manager holds
+        (vLLM 0.33 on; 0.32's manager has none)."""
+        return self.manager.lock if offload_hooks_are_locked() else nullcontext()
+
     # ------------------------------------------------------------------ cache reset
 
     def _kvguard_fail_in_flight(self) -> None:
@@ -419,6 +549,7 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
         def _reset_cache(self) -> None:
             self._kvguard_fail_in_flight()
             super()._reset_cache()  # empties the tier
+            self._kvguard_purging.clear()
             self._kvguard_forget_chunks(list(self._kvguard_stored))
 
     else:
@@ -430,6 +561,7 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
         def reset_cache(self) -> None:
             self._kvguard_fail_in_flight()
             super().reset_cache()  # empties the tier
+            self._kvguard_purging.clear()
             self._kvguard_forget_chunks(list(self._kvguard_stored))
 
     def kvguard_in_flight(self) -> dict[int, Collection[Any]]:

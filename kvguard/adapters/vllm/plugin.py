@@ -118,6 +118,7 @@ def activate(*, by_config: bool = False) -> None:
     _patch_scheduler_cls()
     _patch_connector_cls()
     _patch_fault_handler()
+    _patch_engine_core_utility()
     worker_nans.install()
     worker_slots.install()
     worker_audit.install()
@@ -401,6 +402,37 @@ def _patch_connector_cls() -> None:
     setattr(get_connector_class, _MARK, True)
     get_connector_class.__wrapped__ = stock  # type: ignore[attr-defined]
     KVConnectorFactory.get_connector_class = classmethod(get_connector_class)
+
+
+def _patch_engine_core_utility() -> None:
+    """``kvguard_invalidate_tokens`` on vLLM's ``EngineCore``, callable from the front
+    end as any engine-core utility (``engine_core.call_utility(...)`` on a
+    multiprocess client; a plain call in-process): KV of a token prefix found corrupt
+    after the fact is invalidated in the engine and purged from every gated tier.
+    Returns the counts (what crosses the process boundary)."""
+    from vllm.v1.engine.core import EngineCore
+
+    if getattr(EngineCore, "kvguard_invalidate_tokens", None) is not None:
+        return
+
+    def kvguard_invalidate_tokens(
+        self: Any, token_ids: list[int], descendants: bool = True
+    ) -> dict[str, int]:
+        invalidate = getattr(self.scheduler, "kvguard_invalidate_tokens", None)
+        if invalidate is None:
+            raise GuardConfigError(
+                "kvguard_invalidate_tokens: this engine runs vLLM's own scheduler (the "
+                "guard is off), which keeps no record of validated KV to invalidate"
+            )
+        report = invalidate(token_ids, descendants=descendants)
+        return {
+            "hashes": len(report.invalidation.hashes),
+            "blocks_quarantined": len(report.invalidation.block_ids),
+            "requests": len(report.invalidation.requests),
+            **{f"purged:{tier}": len(h) for tier, h in report.purged.items()},
+        }
+
+    EngineCore.kvguard_invalidate_tokens = kvguard_invalidate_tokens
 
 
 def _patch_fault_handler() -> None:

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 from kvguard.adapters.vllm._compat import require_supported_vllm, series_of
@@ -56,6 +56,8 @@ require_supported_vllm()
 import vllm  # noqa: E402
 import vllm.envs as envs  # noqa: E402
 from vllm.logger import init_logger  # noqa: E402
+from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
+from vllm.v1.core.kv_cache_utils import hash_block_tokens  # noqa: E402
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager  # noqa: E402
@@ -896,6 +898,21 @@ class _GuardMixin:
             or "no tier held one",
         )
         return report
+
+    def kvguard_invalidate_tokens(
+        self, token_ids: Sequence[int], *, descendants: bool = True
+    ) -> TierPurgeReport:
+        """:meth:`kvguard_invalidate` for the full blocks of a token prefix (a plain
+        text prompt: no multimodal inputs, LoRA or cache salt in its hashes), hashed
+        as vLLM hashes a prompt's blocks."""
+        block_size = self.kvguard_pool.hash_block_size
+        hash_fn = get_hash_fn_by_name(self.vllm_config.cache_config.prefix_caching_hash_algo)
+        hashes: list[bytes] = []
+        parent = None
+        for start in range(0, len(token_ids) - block_size + 1, block_size):
+            parent = hash_block_tokens(hash_fn, parent, token_ids[start : start + block_size])
+            hashes.append(parent)
+        return self.kvguard_invalidate(hashes, descendants=descendants)
 
     # ------------------------------------------------------------------ metrics
 

@@ -34,6 +34,12 @@ This subclass changes the scheduler side only; workers run vLLM's code unchanged
 * A cache reset fails the tickets of the events it abandons.
 * **kvguard's record of tier copies follows the tier**: a copy the CPU pool evicts, or
   drops in a reset, is withdrawn (``forget_tier_copy``).
+* **Invalidated copies are purged** (:mod:`kvguard.adapters.vllm.tier_purge`): bound to
+  kvguard's pool, the connector registers a purger for its tier, which drops each
+  invalidated hash's CPU block from the CPU pool's prefix cache (``evict_blocks``: a
+  removal event goes out), so it never hits again. A CPU block being loaded (pinned by
+  its load) loses its hash at once too; it returns to the CPU pool's free list,
+  unhashed, when the load releases it.
 
 KV loaded back from the CPU tier is what any connector loads: the blocks vLLM
 allocated for it are WRITTEN until a step of the request, computing on them, is counted
@@ -51,7 +57,7 @@ class directly needs an explicit ``num_cpu_blocks``, or the scheduler refuses to
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvguard.adapters.vllm._compat import (
@@ -104,7 +110,8 @@ class GuardedSimpleCPUOffloadScheduler(SimpleCPUOffloadScheduler):
     block refused); ``offload_chunks_stored`` blocks registered in the CPU tier with
     their ticket acknowledged; ``offload_chunks_discarded`` blocks whose copy finished
     too late (not registered); ``offload_chunks_evicted`` recorded copies the CPU tier
-    evicted to make room; ``offload_store_jobs_failed`` stays 0 (SimpleCPU's workers
+    evicted to make room; ``offload_chunks_purged`` CPU blocks dropped because their
+    hash was invalidated; ``offload_store_jobs_failed`` stays 0 (SimpleCPU's workers
     report no failed stores).
     """
 
@@ -129,6 +136,11 @@ class GuardedSimpleCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         the connector to kvguard's pool after it replaced vLLM's."""
         pool = self._gpu_block_pool
         return pool if isinstance(pool, GuardedBlockPool) else None
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        super().bind_gpu_block_pool(gpu_block_pool)
+        if isinstance(gpu_block_pool, GuardedBlockPool):
+            gpu_block_pool.tier_purgers.add(TIER, self._kvguard_purge)
 
     # ------------------------------------------------------------------ store selection
 
@@ -337,6 +349,30 @@ class GuardedSimpleCPUOffloadScheduler(SimpleCPUOffloadScheduler):
             if pool is not None:
                 pool.core.forget_tier_copy(TIER, block_hash)
         return forgotten
+
+    def _kvguard_purge(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
+        """The tier's purger (:mod:`kvguard.adapters.vllm.tier_purge`): drop the CPU
+        blocks holding ``hashes`` (kvguard's keys, the CPU pool's too) from the CPU
+        pool's prefix cache; returns the hashes whose copy was dropped. A block a load
+        is reading keeps its bytes until the load releases it, unhashed: no lookup
+        finds it meanwhile, and its space is free after."""
+        stored = self._kvguard_stored
+        lookup = self.cpu_block_pool.cached_block_hash_to_block.get_one_block
+        purged: list[BlockHash] = []
+        block_ids: set[int] = set()
+        for block_hash in hashes:
+            if block_hash not in stored:
+                continue
+            # (The core dropped its record itself, when it invalidated the hash.)
+            stored.discard(block_hash)
+            block = lookup(block_hash)
+            if block is not None:
+                purged.append(block_hash)
+                block_ids.add(block.block_id)
+        if block_ids:
+            self.cpu_block_pool.evict_blocks(block_ids)
+            self.kvguard_counters["offload_chunks_purged"] += len(block_ids)
+        return purged
 
     def kvguard_in_flight(self) -> dict[int, tuple[int, ...]]:
         """Store event -> the GPU blocks of the events whose acknowledgement is due."""

@@ -11,8 +11,8 @@ hashes it is given and returns those it dropped.
 pool goes through it (:meth:`GuardedBlockPool.invalidate
 <kvguard.adapters.vllm.block_pool.GuardedBlockPool.invalidate>`: by hand, or KV a
 connector failed to load), so no path taints a hash and leaves its tier copies
-loadable. A reported copy whose tier has no purger (the connector that made it is
-gone) is named in the report and in one WARNING.
+loadable. A reported copy whose tier has no purger (a tier kvguard cannot reach) is
+named in the report and in one WARNING.
 """
 
 from __future__ import annotations
@@ -75,8 +75,8 @@ class TierPurgers:
             purged[tier] = tuple(purge(hashes))
         if unpurged:
             logger.warning(
-                "kvguard: %d invalidated tier cop(ies) in tier(s) %s have no purger "
-                "(their connector is gone); they were not dropped",
+                "kvguard: %d invalidated tier cop(ies) in tier(s) %s were not dropped: "
+                "no purger is registered for that tier",
                 len(unpurged),
                 sorted({tier for tier, _ in unpurged}),
             )
