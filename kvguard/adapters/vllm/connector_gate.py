@@ -50,8 +50,10 @@ class Exit(enum.Enum):
     """KV of finished requests, from ``request_finished``: the request-finished gate."""
     LOADS_ONLY = "loads_only"
     """Brings KV in, never out (loads wait for a step to vouch for them)."""
+    IN_INSTANCE = "in_instance"
+    """Copies stay with their request inside the instance: nothing else reads them."""
     REFUSED = "refused"
-    """Saves during the forward, before validation: the engine refuses to start."""
+    """Copies kvguard cannot gate: the engine refuses to start."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,44 +62,76 @@ class Coverage:
     why: str = ""
     """For a refused connector: what it does that kvguard cannot gate, and what to
     run instead."""
+    as_consumer: Exit | None = None
+    """Its exit as a decode-side instance (``kv_role="kv_consumer"``: it saves nothing)."""
+    setting: tuple[str, str] | None = None
+    """A ``kv_connector_extra_config`` (key, value) under which its KV leaves only from
+    ``request_finished``."""
 
 
+_NO_DELETE = (
+    "and its store offers the scheduler no delete, so kvguard can neither hold a save "
+    "back nor withdraw a failed one"
+)
 _FORWARD_SAVE = (
-    "its workers save KV during the forward, before the step's NaN count exists, and "
-    "its store offers the scheduler no delete, so kvguard can neither hold a save back "
-    "nor withdraw a failed one"
+    f"its workers save KV during the forward, before the step's NaN count exists, {_NO_DELETE}"
 )
 _INSTEAD = (
     "Use vLLM's OffloadingConnector or SimpleCPUOffloadConnector (gated) for a CPU tier, "
     "ExampleConnector (gated) for shared storage, NixlConnector or MooncakeConnector for "
-    "prefill/decode; or run this connector unguarded (KVGUARD_GUARD=0)."
+    "prefill/decode; or run this connector unguarded (KVGUARD_GUARD=0)"
 )
+_AS_CONSUMER = 'As a decode instance (kv_role="kv_consumer") it saves nothing and is gated'
+
+
+def _refused(why: str, *, consumer: bool = False) -> Coverage:
+    if consumer:
+        return Coverage(Exit.REFUSED, f"{why}. {_AS_CONSUMER}. {_INSTEAD}", Exit.LOADS_ONLY)
+    return Coverage(Exit.REFUSED, f"{why}. {_INSTEAD}")
+
 
 COVERAGE: dict[str, Coverage] = {
     # Gated by kvguard's subclasses (plugin.GUARDED_CONNECTORS).
     "GuardedOffloadingConnector": Coverage(Exit.GATED),
     "GuardedSimpleCPUOffloadConnector": Coverage(Exit.GATED),
     "GuardedExampleConnector": Coverage(Exit.GATED),
-    # Prefill/decode: the decode instance reads a finished request's blocks.
+    # Prefill/decode: the decode instance reads (or is sent) a finished request's
+    # blocks; each sends only for a request that ended normally.
     "NixlConnector": Coverage(Exit.AT_FINISH),
     "NixlPullConnector": Coverage(Exit.AT_FINISH),
     "NixlPushConnector": Coverage(Exit.AT_FINISH),
     "MooncakeConnector": Coverage(Exit.AT_FINISH),
-    "MoRIIOConnector": Coverage(Exit.AT_FINISH),
-    # KV in, none out.
+    "MoRIIOConnector": Coverage(
+        Exit.REFUSED,
+        "in its default write mode its workers write each request's KV into the decode "
+        "instance during the forward, before the step's NaN count exists. Set "
+        '"read_mode": true in its kv_connector_extra_config: the decode instance then '
+        f"reads a finished request's blocks, which kvguard gates. {_INSTEAD}",
+        Exit.AT_FINISH,
+        ("read_mode", "true"),
+    ),
+    # KV in, none out; or copies that never leave their request.
     "DecodeBenchConnector": Coverage(Exit.LOADS_ONLY),
-    # Saved from the forward.
-    "LMCacheConnectorV1": Coverage(Exit.REFUSED, f"{_FORWARD_SAVE}. {_INSTEAD}"),
-    "LMCacheMPConnector": Coverage(Exit.REFUSED, f"{_FORWARD_SAVE}. {_INSTEAD}"),
-    "MooncakeStoreConnector": Coverage(Exit.REFUSED, f"{_FORWARD_SAVE}. {_INSTEAD}"),
-    "UMBPStoreConnector": Coverage(Exit.REFUSED, f"{_FORWARD_SAVE}. {_INSTEAD}"),
-    "HF3FSKVConnector": Coverage(Exit.REFUSED, f"{_FORWARD_SAVE}. {_INSTEAD}"),
-    "FlexKVConnectorV1": Coverage(Exit.REFUSED, f"{_FORWARD_SAVE}. {_INSTEAD}"),
-    "P2pNcclConnector": Coverage(Exit.REFUSED, f"{_FORWARD_SAVE}. {_INSTEAD}"),
-    "HiSparseConnector": Coverage(Exit.REFUSED, f"{_FORWARD_SAVE}. {_INSTEAD}"),
-    "ExampleHiddenStatesConnector": Coverage(Exit.REFUSED, f"{_FORWARD_SAVE}. {_INSTEAD}"),
+    "HiSparseConnector": Coverage(Exit.IN_INSTANCE),
+    # Saved from the forward, or whatever the request's steps computed.
+    "LMCacheConnectorV1": _refused(_FORWARD_SAVE, consumer=True),
+    "LMCacheMPConnector": _refused(
+        "its workers send each step's KV to the LMCache server right after the forward, "
+        f"before the step's NaN count exists, {_NO_DELETE}"
+    ),
+    "MooncakeStoreConnector": _refused(_FORWARD_SAVE, consumer=True),
+    "UMBPStoreConnector": _refused(_FORWARD_SAVE, consumer=True),
+    "HF3FSKVConnector": _refused(_FORWARD_SAVE),
+    "FlexKVConnectorV1": _refused(
+        "its copies are made by the external flexkv package, whose timing and deletes "
+        "kvguard cannot check"
+    ),
+    "ExampleHiddenStatesConnector": _refused(
+        "it writes the hidden states of every finished request, whatever its steps "
+        "computed (a failed step's included), before the step's NaN count exists"
+    ),
 }
-"""Every connector vLLM ships, and kvguard's gated classes, by class name."""
+"""Every connector vLLM ships (0.32 to 0.34), and kvguard's gated classes, by name."""
 
 DECLARED = "kvguard_exit"
 """The ``kv_connector_extra_config`` key by which a connector kvguard does not know
@@ -110,41 +144,46 @@ def refuse_ungated(kv_transfer_config: Any) -> None:
     config, before vLLM builds a connector (a refused one may not even import)."""
     if kv_transfer_config is None or kv_transfer_config.kv_connector is None:
         return
-    for name, module_path, extra in configured_connectors(kv_transfer_config):
-        coverage = coverage_of(name, module_path, extra)
+    for name, module_path, extra, role in configured_connectors(kv_transfer_config):
+        coverage = coverage_of(name, module_path, extra, role)
         if coverage.exit is Exit.REFUSED:
             raise GuardConfigError(f"kvguard cannot gate the KV connector {name}: {coverage.why}.")
 
 
 def configured_connectors(
     kv_transfer_config: Any,
-) -> Iterator[tuple[str, str | None, dict[str, Any]]]:
-    """(name, module path, extra config) of each connector configured, a
+) -> Iterator[tuple[str, str | None, dict[str, Any], str | None]]:
+    """(name, module path, extra config, kv role) of each connector configured, a
     ``MultiConnector``'s children in its place."""
     yield from _entries(
         kv_transfer_config.kv_connector,
         kv_transfer_config.kv_connector_module_path,
         dict(kv_transfer_config.kv_connector_extra_config or {}),
+        kv_transfer_config.kv_role,
     )
 
 
 def _entries(
-    name: str, module_path: str | None, extra: dict[str, Any]
-) -> Iterator[tuple[str, str | None, dict[str, Any]]]:
+    name: str, module_path: str | None, extra: dict[str, Any], role: str | None
+) -> Iterator[tuple[str, str | None, dict[str, Any], str | None]]:
     if name == "MultiConnector" and not module_path:
         for child in extra.get("connectors", ()):
             yield from _entries(
                 child.get("kv_connector"),
                 child.get("kv_connector_module_path"),
                 dict(child.get("kv_connector_extra_config") or {}),
+                child.get("kv_role", role),
             )
         return
-    yield name, module_path, extra
+    yield name, module_path, extra, role
 
 
-def coverage_of(name: str, module_path: str | None, extra: dict[str, Any]) -> Coverage:
+def coverage_of(
+    name: str, module_path: str | None, extra: dict[str, Any], role: str | None = None
+) -> Coverage:
     """How kvguard gates the connector configured as ``name`` (``module_path``: an
-    out-of-tree module, or None for vLLM's registry)."""
+    out-of-tree module, or None for vLLM's registry) with its extra config and
+    ``kv_role``."""
     from .plugin import GUARDED_CONNECTORS
 
     vllm_name = module_path is None or module_path.startswith("vllm.")
@@ -166,7 +205,7 @@ def coverage_of(name: str, module_path: str | None, extra: dict[str, Any]) -> Co
     if vllm_name or str(module_path).startswith("kvguard."):
         known = COVERAGE.get(name)
         if known is not None:
-            return known
+            return _as_configured(known, extra, role)
     declared = extra.get(DECLARED)
     for exit_ in (Exit.AT_FINISH, Exit.LOADS_ONLY):
         if declared == exit_.value:
@@ -180,7 +219,11 @@ def coverage_of(name: str, module_path: str | None, extra: dict[str, Any]) -> Co
     )
 
 
-_SHOWN = {Exit.AT_FINISH: "at request_finished", Exit.LOADS_ONLY: "loads only"}
+_SHOWN = {
+    Exit.AT_FINISH: "at request_finished",
+    Exit.LOADS_ONLY: "loads only",
+    Exit.IN_INSTANCE: "copies stay with their request",
+}
 
 
 def gate_of(connector: Any) -> str:
@@ -192,8 +235,26 @@ def gate_of(connector: Any) -> str:
     known = COVERAGE.get(name)
     config = getattr(connector, "_kv_transfer_config", None)
     extra = getattr(config, "kv_connector_extra_config", None) or {}
-    exit_ = known.exit if known is not None else Exit(extra.get(DECLARED, "refused"))
+    role = getattr(config, "kv_role", None)
+    exit_ = (
+        _as_configured(known, extra, role).exit
+        if known is not None
+        else Exit(extra.get(DECLARED, "refused"))
+    )
     return f"{name} ({_SHOWN.get(exit_, exit_.value)})"
+
+
+def _as_configured(coverage: Coverage, extra: dict[str, Any], role: str | None) -> Coverage:
+    """``coverage`` under the connector's settings."""
+    if coverage.exit is not Exit.REFUSED:
+        return coverage
+    if coverage.setting is not None:
+        key, value = coverage.setting
+        if str(extra.get(key, "")).strip().lower() in (value, "1"):
+            return Coverage(Exit.AT_FINISH)
+    elif role == "kv_consumer" and coverage.as_consumer is not None:
+        return Coverage(coverage.as_consumer)
+    return coverage
 
 
 @dataclass(frozen=True, slots=True)

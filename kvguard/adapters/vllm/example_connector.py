@@ -270,14 +270,10 @@ class GuardedExampleConnector(ExampleConnector):
 
     def _kvguard_purge(self, hashes: Sequence[BlockHash]) -> Iterable[BlockHash]:
         """The tier's purger: delete every folder holding one of ``hashes``."""
-        purged = []
-        for block_hash in hashes:
-            folders = self._kvguard_holders.get(block_hash)
-            if not folders:
-                continue
-            purged.append(block_hash)
-            for folder in sorted(folders):
-                self._kvguard_delete(folder)
+        purged = [h for h in hashes if self._kvguard_holders.get(h)]
+        folders = set().union(*(self._kvguard_holders[h] for h in purged))
+        for folder in sorted(folders):
+            self._kvguard_delete(folder)
         return purged
 
 
