@@ -8,9 +8,9 @@ the tier must stop serving it -- a request with that prefix loads none of it -- 
 free its space, and kvguard's record of tier copies must forget it. A copy still being
 loaded leaves every lookup at once and the tier when its load ends. Each connector's
 run with its purger unregistered (``no_purgers``) shows what the purge prevents: the
-core forgets the copies, the tier keeps serving them. A known gap is marked a strict
-expected failure (``LOADING_GAP``): a request whose load of a purged copy was in flight
-publishes what it loaded.
+core forgets the copies, the tier keeps serving them. A request whose load of a purged
+copy is in flight is told its load failed (vLLM's load-failure policy then applies), so
+what it loaded is never published (before the scheduler did so, these two tests failed).
 
 The workers are played as in ``test_offloading`` and ``test_simple_cpu_offloading``.
 """
@@ -372,16 +372,7 @@ def test_a_simple_cpu_block_being_loaded_leaves_the_cache_now_and_the_pool_when_
 
 # ---------------------------------------------------------------------- known gap
 
-LOADING_GAP = pytest.mark.xfail(
-    strict=True,
-    reason="a request whose load of a purged copy is in flight holds that KV in blocks "
-    "without a hash, which the invalidation does not reach: its next clean step "
-    "publishes the loaded KV (and SimpleCPU stores it again); the scheduler must fail "
-    "that load (as a load error) or abort the request",
-)
 
-
-@LOADING_GAP
 def test_a_request_loading_a_purged_chunk_does_not_publish_it() -> None:
     s, a = offloaded()
     assert s.reset_prefix_cache()
@@ -399,7 +390,6 @@ def test_a_request_loading_a_purged_chunk_does_not_publish_it() -> None:
     assert s.kvguard_pool.core.cached_block_id(corrupt) is None
 
 
-@LOADING_GAP
 def test_a_request_loading_a_purged_simple_cpu_block_does_not_publish_it() -> None:
     s, d, a = simple_cpu_stored()
     s.add_request(make_request("c", PROMPT + [7] * 5, max_tokens=2))

@@ -1,6 +1,6 @@
 """kvguard inside vLLM (0.32.x, 0.33.x, 0.34.x: ``SUPPORTED``): the pool under
 ``KVCacheManager``, guarded schedulers (and their fault recovery, ``recover()``), the
-guarded offloading connector.
+gated KV connectors, and the purge of corrupt tier copies.
 
 Importing this package checks the installed vLLM version and imports vLLM; ``import
 kvguard`` alone never does. Turn the guard on with no code change (the
@@ -20,11 +20,13 @@ from kvguard.adapters.vllm.config import GuardConfig, GuardConfigError
 
 if TYPE_CHECKING:
     from kvguard.adapters.vllm.block_pool import GuardedBlockPool, GuardModeUnsupported
+    from kvguard.adapters.vllm.example_connector import GuardedExampleConnector
     from kvguard.adapters.vllm.manager import build_kv_cache_manager, install_guarded_pool
     from kvguard.adapters.vllm.offloading import GuardedOffloadingConnector
     from kvguard.adapters.vllm.recovery import RecoveryReport, ResumedRequest
     from kvguard.adapters.vllm.scheduler import GuardedAsyncScheduler, GuardedScheduler
     from kvguard.adapters.vllm.simple_cpu_offloading import GuardedSimpleCPUOffloadConnector
+    from kvguard.adapters.vllm.tier_purge import TierPurgeReport
 
 __all__ = [
     "SUPPORTED",
@@ -33,11 +35,13 @@ __all__ = [
     "GuardModeUnsupported",
     "GuardedAsyncScheduler",
     "GuardedBlockPool",
+    "GuardedExampleConnector",
     "GuardedOffloadingConnector",
     "GuardedScheduler",
     "GuardedSimpleCPUOffloadConnector",
     "RecoveryReport",
     "ResumedRequest",
+    "TierPurgeReport",
     "UnsupportedVllmError",
     "build_kv_cache_manager",
     "check_vllm_version",
@@ -53,6 +57,8 @@ _LAZY = {
     "GuardedAsyncScheduler": "scheduler",
     "GuardedOffloadingConnector": "offloading",
     "GuardedSimpleCPUOffloadConnector": "simple_cpu_offloading",
+    "GuardedExampleConnector": "example_connector",
+    "TierPurgeReport": "tier_purge",
     "RecoveryReport": "recovery",
     "ResumedRequest": "recovery",
 }

@@ -62,6 +62,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager  # noqa: E402
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from .binding import rebind_connectors, stale_references  # noqa: E402
@@ -244,6 +245,10 @@ class _GuardMixin:
         # Token slots recover() rolled back, for the workers to wipe before the next
         # step (SchedulerOutput.kvguard_slots_to_zero).
         self._kvguard_slots: list[SlotRange] = []
+        # KV a connector is loading (or loaded, no step vouched for it yet) whose hash
+        # was invalidated meanwhile: reported to vLLM as a failed load with the next
+        # output (request ids of loads in flight; block ids of loaded KV).
+        self._kvguard_poisoned_loads: tuple[set[str], set[int]] = (set(), set())
         # vLLM's fault handler is running (kvguard_fault): its abort recovers instead.
         self._kvguard_on_fault = False
         # The KV audit: the workers scan the blocks each step fills.
@@ -579,6 +584,8 @@ class _GuardMixin:
             if any(nans.values())
             else {}
         )
+        if self._kvguard_poisoned_loads[0] or self._kvguard_poisoned_loads[1]:
+            self._kvguard_report_poisoned_loads(model_runner_output)
         connector_output = model_runner_output.kv_connector_output
         suspect = (
             self._kvguard_load_failures(connector_output, record)
@@ -887,6 +894,7 @@ class _GuardMixin:
         groups = len(self.kv_cache_config.kv_cache_groups)
         keys = [BlockHash(h + group_suffix(g)) for h in block_hashes for g in range(groups)]
         report = self.kvguard_pool.invalidate(keys, descendants=descendants)
+        self._kvguard_poison_loads(set(report.invalidation.hashes))
         self.kvguard_metrics.tier_copies_purged += report.copies_purged
         logger.warning(
             "kvguard: invalidated %d block hash(es): %d block(s) quarantined, %d tier "
@@ -898,6 +906,55 @@ class _GuardMixin:
             or "no tier held one",
         )
         return report
+
+    def _kvguard_poison_loads(self, tainted: set[BlockHash]) -> None:
+        """Requests loading KV of a ``tainted`` hash (waiting for a connector's load),
+        or holding such loaded KV no step vouched for yet: the invalidation cannot
+        reach it (its blocks carry no hash until a step validates them), so the next
+        output reports it to vLLM as a failed load, which vLLM recomputes or fails
+        (``kv_load_failure_policy``)."""
+        waiting, blocks = self._kvguard_poisoned_loads
+        carried = self._kvguard_ledger.carried.fills
+        hash_block_size = self.kvguard_pool.hash_block_size
+        managers = self.kv_cache_manager.coordinator.single_type_managers
+        for req_id, request in self.requests.items():
+            loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            if not loading and req_id not in carried:
+                continue
+            hit = []
+            for group_id, manager in enumerate(managers):
+                if manager.block_size != hash_block_size:
+                    continue  # (no connector loads such a group's blocks by hash)
+                suffix = group_suffix(group_id)
+                for block, block_hash in zip(
+                    manager.req_to_blocks.get(req_id, ()), request.block_hashes, strict=False
+                ):
+                    if not block.is_null and BlockHash(block_hash + suffix) in tainted:
+                        hit.append(block.block_id)
+            if not hit:
+                continue
+            if loading:
+                waiting.add(req_id)
+            elif len(managers) == 1:  # (vLLM maps block ids to requests in one group only)
+                blocks.update(hit)
+            else:
+                logger.warning(
+                    "kvguard: request %s holds loaded KV invalidated before a step vouched "
+                    "for it; on a model with several KV cache groups vLLM cannot be told "
+                    "which blocks failed, so it is not recomputed",
+                    req_id,
+                )
+
+    def _kvguard_report_poisoned_loads(self, model_runner_output: Any) -> None:
+        """Add the loads :meth:`_kvguard_poison_loads` found to this output's failed
+        loads, as the workers would report them."""
+        waiting, blocks = self._kvguard_poisoned_loads
+        self._kvguard_poisoned_loads = (set(), set())
+        output = model_runner_output.kv_connector_output
+        if output is None:
+            output = model_runner_output.kv_connector_output = KVConnectorOutput()
+        output.failed_recving = set(output.failed_recving or ()) | waiting
+        output.invalid_block_ids = set(output.invalid_block_ids or ()) | blocks
 
     def kvguard_invalidate_tokens(
         self, token_ids: Sequence[int], *, descendants: bool = True
