@@ -11,7 +11,7 @@ per-step best times (each step's fastest of all rounds, on each side) is the res
 Goal: guarded / stock <= 1.02. Run::
 
     python benchmarks/vllm_scheduler.py [--requests 400] [--rounds 7] [--async-scheduling]
-        [--output-tokens 8 64]
+        [--output-tokens 8 64] [--offload [offloading|simple-cpu|simple-cpu-lazy]]
 
 ``--output-tokens MIN MAX`` sets the range each request's output length is drawn from
 (default 8..63: short answers, so admissions, prefill chunks and frees -- the guard's
@@ -25,7 +25,18 @@ mode, whose boundary checkpoints the guard holds back).
 
 ``--offload`` gives both schedulers vLLM's CPU offloading (``OffloadingConnector``; the
 guarded side runs kvguard's ``GuardedOffloadingConnector``, its offload gate); the
-"workers" finish every transfer job with the step's output.
+"workers" finish every transfer job with the step's output. ``--offload simple-cpu``
+(``simple-cpu-lazy``) gives them vLLM's ``SimpleCPUOffloadConnector`` in eager (lazy)
+mode instead, the guarded side kvguard's ``GuardedSimpleCPUOffloadConnector`` (what the
+plugin substitutes for it), one full-attention group, a CPU tier four times the GPU
+pool; the "workers" report every store event and every load event done with the output
+of the step that sent it. Each prints what both sides stored and loaded per round.
+
+``--revisit P``: each request of the trace's second half repeats, with probability P,
+the prompt and output length of the request half a trace before it. Under ``--offload``
+the GPU pool has evicted most of those blocks by then and both sides load them back from
+the CPU tier (OffloadingConnector's tier then also holds four times the GPU pool, not
+256 chunks); without it the trace loads nothing.
 
 ``--spec-tokens K`` gives both schedulers speculative decoding with K draft tokens (vLLM's
 ngram method; ngram_gpu under async scheduling; the guarded side with ``KVGUARD_GUARD=1``,
@@ -55,51 +66,127 @@ os.environ.setdefault("VLLM_COMPUTE_NANS_IN_LOGITS", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
+    import torch
     import vllm
-    from vllm.v1.outputs import DraftTokenIds
+    from vllm.config import KVTransferConfig
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+    from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput
+    from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
+    from vllm.v1.structured_output import StructuredOutputManager
 
+    from kvguard.adapters.vllm.scheduler import GuardedAsyncScheduler, GuardedScheduler
     from tests.vllm.harness import (
         BLOCK,
         connector_output,
         make_request,
         make_scheduler,
+        make_vllm_config,
         model_output,
         ngram_speculation,
         offloading_metadata,
+        tensor_backed_kv_cache_config,
         transfer_config,
     )
 
 _clock = time.perf_counter
+
+OFFLOAD_MODES = {
+    "offloading": "OffloadingConnector",
+    "simple-cpu": "SimpleCPUOffloadConnector, eager",
+    "simple-cpu-lazy": "SimpleCPUOffloadConnector, lazy",
+}
+"""``--offload``'s choices: the connector both sides run (bare ``--offload``: the first)."""
+
+
+def offloading_config(guarded: bool, args: argparse.Namespace, num_blocks: int) -> Any:
+    """``--offload``'s OffloadingConnector (kvguard's on the guarded side): the
+    harness's CPU tier (256 chunks of one block), or with ``--revisit`` one of four times
+    ``num_blocks`` chunks, as SimpleCPU's, where what the GPU pool evicted stays a while."""
+    name = "GuardedOffloadingConnector" if guarded else "OffloadingConnector"
+    if not args.revisit:
+        return transfer_config(name)
+    # (A chunk of one 128-byte block takes vLLM's alignment: 4 KiB.)
+    return transfer_config(name, cpu_bytes=4 * num_blocks * CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT)
+
+
+def simple_cpu_scheduler(guarded: bool, args: argparse.Namespace, num_blocks: int) -> Any:
+    """A scheduler with SimpleCPU offloading (``--offload simple-cpu[-lazy]``): stock
+    (vLLM's scheduler and ``SimpleCPUOffloadConnector``) or guarded (kvguard's scheduler
+    and ``GuardedSimpleCPUOffloadConnector``). Its KV cache config describes its tensor,
+    which SimpleCPU sizes its CPU tier from; both sides get a tier of four times
+    ``num_blocks`` blocks (``num_cpu_blocks``, which the guarded class named directly
+    needs from vLLM 0.33 on; 0.32 sizes the tier by the bytes alone, the same on both
+    sides): what the GPU pool evicted stays there for a while (``--revisit``)."""
+    cpu_blocks = 4 * num_blocks
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    name = "GuardedSimpleCPUOffloadConnector" if guarded else "SimpleCPUOffloadConnector"
+    connector = KVTransferConfig(
+        kv_connector=name,
+        kv_role="kv_both",
+        kv_connector_module_path=(
+            "kvguard.adapters.vllm.simple_cpu_offloading" if guarded else None
+        ),
+        kv_connector_extra_config={
+            "cpu_bytes_to_use": spec.page_size_bytes * cpu_blocks,
+            "num_cpu_blocks": cpu_blocks,
+            "lazy_offload": args.offload == "simple-cpu-lazy",
+        },
+    )
+    vllm_config = make_vllm_config(
+        async_scheduling=args.async_scheduling,
+        num_blocks=num_blocks,
+        max_num_batched_tokens=512,
+        max_num_seqs=64,
+        kvguard={"check_invariants": False},
+        kv_transfer_config=connector,
+    )
+    if guarded:
+        cls: type = GuardedAsyncScheduler if args.async_scheduling else GuardedScheduler
+    else:
+        cls = AsyncScheduler if args.async_scheduling else Scheduler
+    return cls(
+        vllm_config=vllm_config,
+        kv_cache_config=tensor_backed_kv_cache_config(spec, num_blocks),
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BLOCK,
+        log_stats=True,
+    )
 
 
 class Side:
     """One scheduler and the time spent inside its schedule() / update_from_output()."""
 
     def __init__(self, guarded: bool, args: argparse.Namespace) -> None:
-        self.scheduler: Any = make_scheduler(
-            guarded=guarded,
-            async_scheduling=args.async_scheduling,
-            num_blocks=args.blocks or 2048 * len(args.groups),
-            max_num_batched_tokens=512,
-            max_num_seqs=64,
-            kvguard={"check_invariants": False},
-            groups=args.groups,
-            window=args.window,
-            kv_transfer_config=(
-                transfer_config("GuardedOffloadingConnector" if guarded else "OffloadingConnector")
-                if args.offload
-                else None
-            ),
-            speculative_config=(
-                ngram_speculation(args.spec_tokens, async_scheduling=args.async_scheduling)
-                if args.spec_tokens
-                else None
-            ),
-        )
-        self.offload = args.offload
+        num_blocks = args.blocks or 2048 * len(args.groups)
+        self.offload: str | None = args.offload
+        if self.offload in ("simple-cpu", "simple-cpu-lazy"):
+            self.scheduler: Any = simple_cpu_scheduler(guarded, args, num_blocks)
+        else:
+            self.scheduler = make_scheduler(
+                guarded=guarded,
+                async_scheduling=args.async_scheduling,
+                num_blocks=num_blocks,
+                max_num_batched_tokens=512,
+                max_num_seqs=64,
+                kvguard={"check_invariants": False},
+                groups=args.groups,
+                window=args.window,
+                kv_transfer_config=(
+                    offloading_config(guarded, args, num_blocks) if self.offload else None
+                ),
+                speculative_config=(
+                    ngram_speculation(args.spec_tokens, async_scheduling=args.async_scheduling)
+                    if args.spec_tokens
+                    else None
+                ),
+            )
         self.spec_tokens = args.spec_tokens
         self.drafts_accepted = self.drafts_scheduled = 0
         self.store_jobs = self.load_jobs = 0
+        self.stored_blocks = self.loaded_blocks = 0  # (SimpleCPU: blocks of those events)
         self.pending: list[Any] = []
         self.step_times: list[float] = []
         self.schedule_times: list[float] = []
@@ -158,6 +245,8 @@ class Side:
             return self.spec_output(scheduler_output)
         if not self.offload:
             return model_output(s, scheduler_output)
+        if self.offload != "offloading":
+            return self.simple_cpu_output(scheduler_output)
         meta = offloading_metadata(scheduler_output)
         self.store_jobs += len(meta.store_jobs)
         self.load_jobs += len(meta.load_jobs)
@@ -168,17 +257,43 @@ class Side:
             recved=[job.req_id for job in meta.load_jobs.values()],
         )
 
+    def simple_cpu_output(self, scheduler_output: Any) -> Any:
+        """SimpleCPU's workers: the step's store event done (the copy runs after the
+        step's forward) and its load event's requests received, both reported in the
+        step's output."""
+        meta = scheduler_output.kv_connector_metadata
+        out = model_output(self.scheduler, scheduler_output)
+        done: dict[int, int] = {}
+        if meta.store_event >= 0:
+            done[meta.store_event] = 1
+            self.store_jobs += 1
+            self.stored_blocks += len(meta.store_gpu_blocks)
+        received = meta.load_event_to_reqs.get(meta.load_event, []) if meta.load_event >= 0 else []
+        if received:
+            self.load_jobs += 1
+            self.loaded_blocks += len(meta.load_gpu_blocks)
+        out.kv_connector_output = KVConnectorOutput(
+            finished_recving=set(received) or None,
+            kv_connector_worker_meta=SimpleCPUOffloadWorkerMetadata(completed_store_events=done),
+        )
+        return out
+
 
 def run_round(args: argparse.Namespace, repeat: int) -> tuple[Side, Side]:
     """One pass of the trace through both schedulers (stock, guarded)."""
     rng = random.Random(args.seed)
     prefixes = [[rng.randrange(50_000) for _ in range(4 * BLOCK)] for _ in range(8)]
     arrivals: dict[int, list[tuple[str, list[int], int]]] = {}
+    requests: list[tuple[list[int], int]] = []
+    half = args.requests // 2
     for i in range(args.requests):
         prompt = rng.choice(prefixes) + [
             rng.randrange(50_000) for _ in range(rng.randrange(8, 300))
         ]
         max_tokens = rng.randrange(*args.output_tokens)
+        if args.revisit and i >= half and rng.random() < args.revisit:
+            prompt, max_tokens = requests[i - half]  # (drawn only with --revisit)
+        requests.append((prompt, max_tokens))
         arrivals.setdefault(i // 4, []).append((f"r{i}", prompt, max_tokens))
     stock, guarded = Side(False, args), Side(not args.control, args)
     gc.collect()
@@ -221,8 +336,20 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=256, help="window / chunk, in tokens")
     parser.add_argument(
         "--offload",
-        action="store_true",
-        help="vLLM's CPU offloading on both sides (kvguard's gate on the guarded one)",
+        nargs="?",
+        const="offloading",
+        default=None,
+        choices=OFFLOAD_MODES,
+        help="vLLM's CPU offloading on both sides (kvguard's gate on the guarded one): "
+        "OffloadingConnector (the default), or SimpleCPUOffloadConnector in eager or lazy mode",
+    )
+    parser.add_argument(
+        "--revisit",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="each request of the trace's second half repeats the prompt of the request "
+        "half a trace before it with probability P (with --offload: loads from the CPU tier)",
     )
     parser.add_argument(
         "--spec-tokens",
@@ -237,8 +364,12 @@ def main() -> None:
     args = parser.parse_args()
     if not 1 <= args.output_tokens[0] < args.output_tokens[1]:
         parser.error("--output-tokens needs 1 <= MIN < MAX")
+    if not 0 <= args.revisit <= 1:
+        parser.error("--revisit needs 0 <= P <= 1")
     if args.spec_tokens and args.offload:
         parser.error("--spec-tokens and --offload are not combined")
+    if args.offload in ("simple-cpu", "simple-cpu-lazy") and args.groups != ("full",):
+        parser.error(f"--offload {args.offload} runs one full-attention group (no --groups)")
     if args.spec_tokens:
         # The guarded scheduler takes drafts only where the plugin makes vLLM's workers
         # count NaNs per request (docs/vllm.md, "Speculative decoding"): what it does.
@@ -252,7 +383,8 @@ def main() -> None:
         f"{'async' if args.async_scheduling else 'sync'} scheduling, "
         f"output tokens {args.output_tokens[0]}..{args.output_tokens[1] - 1}, "
         f"KV cache groups {'+'.join(args.groups)}"
-        + (", CPU offloading" if args.offload else "")
+        + (f", CPU offloading ({OFFLOAD_MODES[args.offload]})" if args.offload else "")
+        + (f", second half revisits the first's prompts (P={args.revisit})" if args.revisit else "")
         + (f", speculative decoding ({args.spec_tokens} draft tokens)" if args.spec_tokens else "")
         + (", CONTROL RUN: stock vLLM on both sides" if args.control else "")
     )
@@ -298,11 +430,19 @@ def main() -> None:
         f"{name} {upd_guard / steps * 1e6:7.1f} us/step, ratio {upd_guard / upd_stock:.3f} "
         "(approx.: step best minus schedule best)"
     )
-    if args.offload:  # the same trace each round: the last one's counts
+    if args.offload == "offloading":  # the same trace each round: the last one's counts
         stock, guard = stock_rounds[-1], guard_rounds[-1]
         print(
             f"offloading, per round: stock {stock.store_jobs} store / {stock.load_jobs} load "
             f"jobs, {name} {guard.store_jobs} / {guard.load_jobs}"
+        )
+    elif args.offload:
+        stock, guard = stock_rounds[-1], guard_rounds[-1]
+        print(
+            f"SimpleCPU offloading, per round: stock {stock.stored_blocks} blocks stored / "
+            f"{stock.loaded_blocks} loaded ({stock.store_jobs} / {stock.load_jobs} events), "
+            f"{name} {guard.stored_blocks} / {guard.loaded_blocks} "
+            f"({guard.store_jobs} / {guard.load_jobs})"
         )
     if args.spec_tokens:
         stock, guard = stock_rounds[-1], guard_rounds[-1]

@@ -22,6 +22,9 @@ pytest.importorskip("vllm")
         ["--output-tokens", "64", "96"],
         ["--groups", "full,sliding", "--window", "64"],
         ["--offload"],
+        # A GPU pool small enough to evict, prompts revisited: both sides load back.
+        ["--offload", "simple-cpu", "--blocks", "64", "--revisit", "1"],
+        ["--offload", "simple-cpu-lazy", "--blocks", "64", "--revisit", "1", "--async-scheduling"],
         ["--spec-tokens", "3"],
         ["--spec-tokens", "2", "--async-scheduling"],
     ],
@@ -43,6 +46,16 @@ def test_scheduler_benchmark_runs_both_schedulers_on_one_trace(mode: list[str]) 
         drafts = re.search(r"drafts, per round: stock (\d+) of (\d+) accepted", out)
         assert drafts is not None and 0 < int(drafts.group(1)) < int(drafts.group(2))
         assert f"speculative decoding ({mode[1]} draft tokens)" in out
-    if "--offload" in mode:
+    if mode == ["--offload"]:
         jobs = re.search(r"offloading, per round: stock (\d+) store / \d+ load jobs", out)
         assert jobs is not None and int(jobs.group(1)) > 0
+        assert "CPU offloading (OffloadingConnector)" in out
+    elif "--offload" in mode:
+        blocks = re.search(
+            r"SimpleCPU offloading, per round: stock (\d+) blocks stored / (\d+) loaded "
+            r"\(\d+ / \d+ events\), guarded (\d+) / (\d+) ",
+            out,
+        )
+        assert blocks is not None and all(int(n) > 0 for n in blocks.groups()), out
+        lazy = "lazy" if "simple-cpu-lazy" in mode else "eager"
+        assert f"CPU offloading (SimpleCPUOffloadConnector, {lazy})" in out

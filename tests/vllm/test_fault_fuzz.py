@@ -4,14 +4,15 @@ the KV bytes.
 Each trace runs requests with shared prefixes through a small pool (so vLLM preempts),
 chunked prefill and decode, on full-attention, sliding-window, chunked-local and R-SWA
 groups and on hybrid models (a Mamba or Mamba2 state group beside full attention),
-sync and async, with prefix caching on and off, optionally behind the
-guarded offloading connector and optionally with speculative decoding (drafts that the
-model accepts or rejects), while outputs randomly carry NaN counts, come back without a
-count, and clients abort requests (mid-step under async). The test keeps its own record
-of every KV slot: which step wrote it, for which token prefix, and what became of that
-step (clean, NaN, unchecked, or dropped because its request was preempted, aborted or
-finished before the output arrived). At every step it checks what docs/design.md promises
-(its "Invariants" and "Inside vLLM" sections):
+sync and async, with prefix caching on and off, optionally behind the guarded
+offloading connector or the guarded SimpleCPU connector (eager or lazy, its workers
+played by :class:`SimpleCpuTier`) and optionally with speculative decoding (drafts that
+the model accepts or rejects), while outputs randomly carry NaN counts, come back
+without a count, and clients abort requests (mid-step under async). The test keeps its
+own record of every KV slot: which step wrote it, for which token prefix, and what
+became of that step (clean, NaN, unchecked, or dropped because its request was
+preempted, aborted or finished before the output arrived). At every step it checks what
+docs/design.md promises (its "Invariants" and "Inside vLLM" sections):
 
 * every request reads, below its computed tokens, only KV of its own token prefix
   written by steps known clean (or by its own step still in flight or unchecked);
@@ -19,6 +20,9 @@ finished before the output arrived). At every step it checks what docs/design.md
   ``new_block_ids_to_zero``, and a zeroed block is held by its new owner alone;
 * every store job copies complete KV of clean steps, of the token prefix its block's
   hash names, and KV loaded back from the CPU tier passes the read check above;
+  SimpleCPU: every block its CPU tier registers (loadable) holds exactly that, also
+  once its hash was found corrupt after the fact (``invalidate``: the tier's copies
+  purged, one still running never registered);
 * every block published to the prefix cache holds, in every slot, KV of clean steps
   for the token prefix its hash names, and no step writes into a published block: KV a
   step wrote at rejected draft positions (another prefix's) is never read, published
@@ -54,12 +58,35 @@ import pytest
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
-from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id  # noqa: E402
+import torch  # noqa: E402
+from vllm.config import KVTransferConfig  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (  # noqa: E402
+    MultiKVConnectorMetadata,
+    MultiKVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import (  # noqa: E402
+    SimpleCPUOffloadConnector,
+)
+from vllm.v1.core.kv_cache_utils import (  # noqa: E402
+    get_block_hash,
+    get_group_id,
+    make_block_hash_with_group_id,
+)
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    SlidingWindowSpec,
+)
 from vllm.v1.kv_offload.base import LookupResult, ReqContext  # noqa: E402
-from vllm.v1.outputs import DraftTokenIds  # noqa: E402
+from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
+from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
-from kvguard import BlockState  # noqa: E402
+from kvguard import BlockHash, BlockState  # noqa: E402
+from kvguard.adapters.vllm.scheduler import GuardedAsyncScheduler, GuardedScheduler  # noqa: E402
 
 from .harness import (  # noqa: E402
     BLOCK,
@@ -67,6 +94,7 @@ from .harness import (  # noqa: E402
     finish_reasons,
     make_request,
     make_scheduler,
+    make_vllm_config,
     model_output,
     ngram_speculation,
     offloading_metadata,
@@ -95,6 +123,8 @@ Writer = tuple[int, str, int]
 Slot = tuple[int, Writer] | None
 """What one KV slot holds: (the token prefix's id, its writer), or None (zeroed, never
 written, or bytes a failed load left unknown)."""
+TAINT: Writer = (-1, "taint", 0)
+"""The writer of KV found corrupt after the fact (``invalidate``), as bad as a NaN step's."""
 
 
 @dataclass
@@ -170,7 +200,11 @@ class FaultTrace:
         multi: bool = False,
         spec_tokens: int = 0,
         offload_outputs: bool = False,
+        simple_cpu: str | None = None,
     ) -> None:
+        """``offload``: behind the guarded OffloadingConnector; ``simple_cpu``
+        (``"eager"``, ``"lazy"``): behind the guarded SimpleCPU connector in that mode
+        instead (:class:`SimpleCpuTier`); ``multi``: either inside a MultiConnector."""
         self.rng = rng = random.Random(seed)
         self.async_scheduling = async_scheduling
         # Mamba groups: their block size, and the worker's state column per request.
@@ -182,32 +216,45 @@ class FaultTrace:
         """Request -> the block-table column its last step left its state in (the
         worker's running state index), from its admission on."""
         # A pool small enough that vLLM preempts (a local chunk alone needs few blocks).
-        self.s = self.make_scheduler(
-            spec_tokens,
-            groups=groups,
-            async_scheduling=async_scheduling,
-            num_blocks=12 if groups == ("chunked",) else 22,
-            max_num_seqs=8,
-            prefix_caching=prefix_caching,
-            **(
-                {
-                    "mamba_block_size": self.state_block,
-                    "mamba_cache_mode": "align" if self.state_align else "none",
-                }
-                if self.state_groups
-                else {}
-            ),
-            kv_transfer_config=(
-                _offloading_config(
-                    load_failure_policy=load_failure_policy or "fail",
-                    multi=multi,
-                    # Every other trace on a CPU tier of a few chunks, which evicts.
-                    cpu_bytes=1 << (14 if seed % 2 else 20),
-                    outputs=offload_outputs,
-                )
-                if offload
-                else None
-            ),
+        self.s = (
+            _simple_cpu_scheduler(
+                groups,
+                async_scheduling=async_scheduling,
+                lazy=simple_cpu == "lazy",
+                multi=multi,
+                # Every other trace on a CPU tier of a few blocks, which evicts.
+                cpu_blocks=6 if seed % 2 else 128,
+                num_blocks=22,
+                max_num_seqs=8,
+            )
+            if simple_cpu
+            else self.make_scheduler(
+                spec_tokens,
+                groups=groups,
+                async_scheduling=async_scheduling,
+                num_blocks=12 if groups == ("chunked",) else 22,
+                max_num_seqs=8,
+                prefix_caching=prefix_caching,
+                **(
+                    {
+                        "mamba_block_size": self.state_block,
+                        "mamba_cache_mode": "align" if self.state_align else "none",
+                    }
+                    if self.state_groups
+                    else {}
+                ),
+                kv_transfer_config=(
+                    _offloading_config(
+                        load_failure_policy=load_failure_policy or "fail",
+                        multi=multi,
+                        # Every other trace on a CPU tier of a few chunks, which evicts.
+                        cpu_bytes=1 << (14 if seed % 2 else 20),
+                        outputs=offload_outputs,
+                    )
+                    if offload
+                    else None
+                ),
+            )
         )
         self.offload = offload
         # Speculative decoding: the drafts the "worker" proposes come from a random
@@ -239,7 +286,7 @@ class FaultTrace:
         self.expected: dict[str, list[int]] = {}
         # With offloading, a second wave comes back to the prefixes after the small GPU
         # pool evicted them, and loads them from the CPU tier.
-        waves = [(0, 12)] + [(40, 60)] * offload
+        waves = [(0, 12)] + [(40, 60)] * (offload or simple_cpu is not None)
         prompts: list[list[int]] = []
         for i in range(14 * len(waves)):
             prompt = rng.choice(prefixes)[: rng.randrange(BLOCK, 2 * BLOCK + 1)]
@@ -258,7 +305,11 @@ class FaultTrace:
             self.expected[f"r{i}"] = _prefix_ids(prompt + [TOKEN] * (max_tokens + extra))
         self.incarnation = dict.fromkeys(self.expected, 0)
         self.kv = KvModel(incarnation=self.incarnation)
+        self.tier = SimpleCpuTier(self) if simple_cpu else None
         self.finished: set[str] = set()
+        self.ended: dict[str, str] = {}
+        """Request -> the finish reason of its output (clients' aborts have none)."""
+        self.preempted: set[str] = set()
         self.seen = {
             "nan": 0,
             "unchecked": 0,
@@ -276,6 +327,7 @@ class FaultTrace:
             "state_checkpoints": 0,
             "states_published": 0,
             "states_zeroed": 0,
+            "tainted": 0,
         }
 
     @staticmethod
@@ -307,11 +359,15 @@ class FaultTrace:
                 if self.spec_tokens:
                     self.propose_drafts(so)
                 self.abort()  # between steps, after a clean or failed output
+            if self.tier is not None:
+                self.tier.taint()
             s.kvguard_pool.check_consistency()
-            if t > max(self.arrivals) and not s.requests and not pending:
+            if t > max(self.arrivals) and not s.requests and not pending and not self.tier_busy():
                 break
         while pending:
             self.settle(*pending.pop(0))
+        if self.tier is not None:
+            self.tier.drain()
         assert not s.requests, "the trace did not drain"
         assert self.finished == set(self.expected)
         core = s.kvguard_pool.core
@@ -323,9 +379,15 @@ class FaultTrace:
         s.kvguard_pool.check_consistency()
         self.check_nothing_outlives_the_requests()
         if self.seen["stored"]:  # the connector's counters reach the scheduler's stats
-            assert s.kvguard_stats()["offload_chunks_stored"] > 0
-            self.seen["evicted"] = s.kvguard_stats()["offload_chunks_evicted"]
+            stats = s.kvguard_stats()
+            assert stats["offload_chunks_stored"] > 0
+            self.seen["evicted"] = stats["offload_chunks_evicted"]
+            self.seen["discarded"] = stats["offload_chunks_discarded"]
         return self.seen
+
+    def tier_busy(self) -> bool:
+        """SimpleCPU: a copy is queued, in flight or not reported yet."""
+        return self.tier is not None and self.tier.busy()
 
     def check_nothing_outlives_the_requests(self) -> None:
         """The guard's per-request and per-step bookkeeping is empty once every request
@@ -343,6 +405,9 @@ class FaultTrace:
             for key, hashes in stored.items():
                 assert cs.manager.lookup(key, probe) is LookupResult.HIT, key
                 recorded += len(hashes)
+        if self.tier is not None:
+            recorded += self.tier.check_nothing_left()
+            self.tier.check_nothing_held_back()
         assert len(pool.core.snapshot().tier_copies) <= recorded
 
     def retire(self, req_id: str) -> None:
@@ -355,6 +420,7 @@ class FaultTrace:
         so = s.schedule()
         for req_id in so.preempted_req_ids:
             self.seen["preempted"] += 1
+            self.preempted.add(req_id)
             self.retire(req_id)
         zeroed = set(so.new_block_ids_to_zero or ())
         self.check_zeroed_blocks_have_one_owner(zeroed)
@@ -395,6 +461,8 @@ class FaultTrace:
             self.kv.zero(b)
         if self.offload:
             self.transfer(so)
+        elif self.tier is not None:
+            self.tier.load(so)  # (before the forward)
         self.check_published()
         writers: dict[str, Writer] = {}
         hashed = [b.block_hash is not None for b in s.kvguard_pool.blocks]
@@ -425,6 +493,8 @@ class FaultTrace:
                         + ("the null block" if b == NULL else "published")
                     )
                     self.kv.write(b, p % BLOCK, prefix, w)
+        if self.tier is not None:
+            self.tier.send_stores(so)  # (after the forward: wait_for_save)
         return so, writers
 
     def step_state(
@@ -727,6 +797,8 @@ class FaultTrace:
             output = connector_output(
                 s, so, nans, completed=completed, recved=received, invalid=invalid
             )
+        elif self.tier is not None:
+            output = self.tier.output(so, nans)
         else:
             output = model_output(s, so, nans)
         for req_id in uncounted:
@@ -752,6 +824,7 @@ class FaultTrace:
                 for earlier in kv.unchecked.pop(key, ()):  # a counted step vouches
                     kv.fate[earlier] = "clean"
             kv.fate[w] = fate
+        self.ended.update(reasons)
         for req_id in reasons:
             self.finished.add(req_id)
             self.retire(req_id)
@@ -760,6 +833,8 @@ class FaultTrace:
                 for w in kv.unchecked.pop((req_id, inc)):
                     kv.fate[w] = "dropped"  # left before a counted step vouched
         self.check_published()
+        if self.tier is not None:
+            self.tier.check_registered()
 
     def sample(self, output: Any, writers: dict[str, Writer], live: dict[str, bool]) -> None:
         """The step's rows under speculative decoding, as the worker returns them: a
@@ -793,6 +868,326 @@ class FaultTrace:
             self.seen["aborted"] += 1
             self.finished.add(victim)
             self.retire(victim)
+
+
+class SimpleCpuTier:
+    """SimpleCPU's workers and the bytes of its CPU tier, played by a trace.
+
+    SimpleCPU's scheduler side decides every copy; its workers carry out each step's
+    lists (``SimpleCPUOffloadMetadata``): the load event's copies land in their GPU
+    blocks before the step's forward, and its requests are reported received in the
+    step's output; the store event's copies run after the forward (``wait_for_save``)
+    and are reported done in the step's output or, now and then, a few outputs later
+    (the copy still running, its GPU blocks pinned). A copy is modelled when it is
+    reported: the CPU block gets what its GPU block holds then, so a block tainted
+    (:meth:`taint`) while its copy runs hands the CPU tier its tainted KV, which the
+    gate must not register.
+
+    It checks that every store event copies complete KV of clean steps, of the token
+    prefix its block's hash names; that every block the CPU tier registers (its prefix
+    cache: loadable) holds exactly that, for the hash it is registered under; that a
+    load reads only such blocks (then the read checks of the trace apply to what it
+    brought back); and, when the trace ends, that the connector holds nothing: no
+    transfer, pin or request state left, kvguard's record of the tier's copies naming
+    only what the tier holds -- and, in eager mode, that the gate held no validated
+    block back for good (:meth:`check_nothing_held_back`)."""
+
+    def __init__(self, trace: FaultTrace) -> None:
+        self.trace = trace
+        (connector,) = [
+            c for c in trace.s._kvguard_connectors() if isinstance(c, SimpleCPUOffloadConnector)
+        ]
+        self.manager: Any = connector.scheduler_manager
+        self.cpu: dict[int, list[Slot]] = {}
+        """CPU block -> the slots the last copy into it wrote."""
+        self.sent: dict[int, tuple[int, list[tuple[int, int]]]] = {}
+        """Store event -> (the output it is reported in at the earliest, by index; its
+        (GPU block, CPU block) pairs), until it is reported."""
+        self.registered: dict[int, Any] = {}
+        """CPU block -> the hash it was checked under (checked afresh when it changes)."""
+        self.scheduled = self.settled = 0
+        self.draining = False
+        self.tainted: set[Any] = set()
+        self.loaded_into: dict[int, Any] = {}
+        """GPU block -> the hash of the CPU copy last loaded into it."""
+        trace.kv.fate[TAINT] = "nan"
+
+    def meta(self, so: Any) -> Any:
+        meta = so.kv_connector_metadata
+        return meta.metadata[0] if isinstance(meta, MultiKVConnectorMetadata) else meta
+
+    def load(self, so: Any) -> None:
+        """The step's load event: each CPU block it reads is registered and holds KV of
+        clean steps for its hash; its bytes land in the GPU block."""
+        meta = self.meta(so)
+        if meta.load_event < 0:
+            return
+        cpu_blocks = self.manager.cpu_block_pool.blocks
+        for c, b in zip(meta.load_cpu_blocks, meta.load_gpu_blocks, strict=True):
+            key = cpu_blocks[c].block_hash
+            assert key is not None, f"a load reads CPU block {c}, which the tier does not hold"
+            self.check_copy(c, key, "a load reads")
+            self.trace.kv.slots[b] = list(self.cpu[c])
+            self.loaded_into[b] = key
+            self.trace.seen["loaded"] += 1
+
+    def send_stores(self, so: Any) -> None:
+        """The step's store event, after the gate: each GPU block holds complete KV of
+        clean steps for the prefix its hash names. Reported with this step's output, or
+        (one in five) up to three outputs later."""
+        trace = self.trace
+        index, self.scheduled = self.scheduled, self.scheduled + 1
+        meta = self.meta(so)
+        if meta.store_event < 0:
+            return
+        blocks = trace.s.kvguard_pool.blocks
+        pairs = list(zip(meta.store_gpu_blocks, meta.store_cpu_blocks, strict=True))
+        for b, _ in pairs:
+            key = blocks[b].block_hash
+            assert key is not None, f"a store event copies block {b}, which has no hash"
+            ids = trace.hash_prefix_ids(get_block_hash(key))
+            for offset, slot in enumerate(trace.kv.slots.get(b, [None] * BLOCK)):
+                assert slot is not None, f"a store event copies block {b}, not full"
+                fate = trace.kv.fate[slot[1]]
+                assert fate == "clean", f"a store event copies block {b} of a {fate} step"
+                assert slot[0] == ids[offset], f"a store event copies block {b}: another prefix"
+        hold = trace.rng.randint(1, 3) if trace.rng.random() < 0.2 else 0
+        self.sent[meta.store_event] = (index + hold, pairs)
+
+    def output(self, so: Any, nans: dict[str, int]) -> Any:
+        """The step's output with the workers' report: the store events due (copied
+        now), the requests of the step's load event still loading."""
+        trace = self.trace
+        index, self.settled = self.settled, self.settled + 1
+        done = [e for e, (due, _) in self.sent.items() if due <= index or self.draining]
+        for event in done:
+            _, pairs = self.sent.pop(event)
+            for b, c in pairs:
+                self.cpu[c] = list(trace.kv.slots.get(b, [None] * BLOCK))
+            trace.seen["stored"] += len(pairs)
+        meta = self.meta(so)
+        loading = {r for r, st in self.manager._reqs_to_load.items() if st.load_event is not None}
+        recved = set(meta.load_event_to_reqs.get(meta.load_event, ())) & loading
+        out = model_output(trace.s, so, nans)
+        worker_meta: Any = SimpleCPUOffloadWorkerMetadata(
+            completed_store_events=dict.fromkeys(done, 1)
+        )
+        if isinstance(so.kv_connector_metadata, MultiKVConnectorMetadata):
+            worker_meta = MultiKVConnectorWorkerMetadata(metadata=(worker_meta,))
+        out.kv_connector_output = KVConnectorOutput(
+            finished_recving=recved or None, kv_connector_worker_meta=worker_meta
+        )
+        return out
+
+    def check_copy(self, c: int, key: Any, what: str) -> None:
+        """CPU block ``c`` holds, in every slot, KV of clean steps for the token prefix
+        ``key`` names."""
+        slots = self.cpu.get(c)
+        assert slots is not None, f"{what} CPU block {c}, never copied to"
+        ids = self.trace.hash_prefix_ids(get_block_hash(key))
+        for offset, slot in enumerate(slots):
+            assert slot is not None, f"{what} CPU block {c}, not full"
+            assert slot[0] == ids[offset], f"{what} CPU block {c}, holding another prefix's KV"
+            fate = self.trace.kv.fate[slot[1]]
+            assert fate == "clean", f"{what} CPU block {c}, holding KV of a {fate} step"
+
+    def check_registered(self) -> None:
+        """Every block the CPU tier registered since the last check holds KV of clean
+        steps for its hash."""
+        registered = self.registered
+        for block in self.manager.cpu_block_pool.blocks:
+            c, key = block.block_id, block.block_hash
+            if key is None:
+                registered.pop(c, None)
+            elif registered.get(c) != key:
+                registered[c] = key
+                self.check_copy(c, key, "the CPU tier registers")
+
+    def taint(self) -> None:
+        """Now and then KV is found corrupt after the fact: a hash whose block is being
+        copied (or, rarely, a cached one) is invalidated (the pool's ``invalidate``, not
+        its descendants): its GPU blocks are quarantined and its copies purged from the
+        CPU tier. Its KV is bad in every copy, the CPU tier's included: none may stay
+        registered, nor be registered when a copy running now finishes. Only a hash no
+        live request holds (the invalidation aborts a holder, which these traces do not
+        model) nor computes on a copy of, loaded from the tier (such a block carries no
+        hash until a step vouches for it: the invalidation does not reach it)."""
+        trace = self.trace
+        s, rng = trace.s, trace.rng
+        pool = s.kvguard_pool
+        blocks = pool.blocks
+        held: set[Any] = set()
+        for req_id in s.requests:
+            for group in trace.manager.get_block_ids(req_id):
+                for b in group:
+                    held.update((blocks[b].block_hash, self.loaded_into.get(b)))
+        copying = {b for _, pairs in self.sent.values() for b, _ in pairs}
+        copying.update(b for t in self.manager._pending_finished_stores for b in t.gpu_block_ids)
+        candidates = sorted(
+            b
+            for b in copying
+            if blocks[b].block_hash is not None and blocks[b].block_hash not in held
+        )
+        if not (candidates and rng.random() < 0.3):
+            candidates = [
+                b.block_id
+                for b in blocks
+                if b.block_hash is not None and b.ref_cnt == 0 and b.block_hash not in held
+            ]
+            if not (candidates and rng.random() < 0.03):
+                return
+        key = blocks[rng.choice(candidates)].block_hash
+        carriers = [b.block_id for b in blocks if b.block_hash == key]
+        copies = [b.block_id for b in self.manager.cpu_block_pool.blocks if b.block_hash == key]
+        pool.invalidate([BlockHash(key)], descendants=False)
+        self.tainted.add(key)
+        for b in carriers:
+            assert blocks[b].block_hash is None, f"block {b} keeps an invalidated hash"
+            slots = trace.kv.slots.get(b, [None] * BLOCK)
+            trace.kv.slots[b] = [None if x is None else (x[0], TAINT) for x in slots]
+        for c in copies:
+            self.cpu[c] = [None if x is None else (x[0], TAINT) for x in self.cpu[c]]
+            self.registered.pop(c, None)  # (checked again, now)
+        self.check_registered()
+        trace.seen["tainted"] += 1
+
+    def busy(self) -> bool:
+        return bool(self.sent) or self.manager.has_pending_stores()
+
+    def check_nothing_held_back(self) -> None:
+        """Eager mode, one full-attention group, a tier that never evicted: the gate
+        holds a block back until its step validated, not for good (vLLM's cursor, which
+        finds it unhashed on kvguard's pool until then, would pass over it). Every full
+        prompt block of a request that ran to its end, never preempted, none of its
+        hashes tainted, is in the CPU tier."""
+        m, trace = self.manager, self.trace
+        if m._lazy_mode or len(m.group_block_sizes) > 1:
+            return
+        if trace.s.kvguard_stats()["offload_chunks_evicted"]:
+            return
+        lookup = m.cpu_block_pool.cached_block_hash_to_block.get_one_block
+        missing: dict[str, list[int]] = {}
+        for req_id, reason in trace.ended.items():
+            if reason not in ("length", "stop") or req_id in trace.preempted:
+                continue
+            request = trace.requests[req_id]
+            full = request.num_prompt_tokens // BLOCK
+            keys = [make_block_hash_with_group_id(h, 0) for h in request.block_hashes[:full]]
+            if self.tainted.intersection(keys):
+                continue
+            absent = [i for i, key in enumerate(keys) if lookup(key) is None]
+            if absent:
+                missing[req_id] = absent
+        assert not missing, f"prompt blocks never stored (request -> block indices): {missing}"
+
+    def drain(self) -> None:
+        """After the trace: empty steps, every copy reported at once, until none is
+        queued or in flight (lazy mode may copy again at each step: one suffices)."""
+        self.draining = True
+        for t in range(1000, 1010):
+            if not self.busy():
+                return
+            self.trace.settle(*self.trace.schedule(t))
+        raise AssertionError(f"copies still in flight: {self.sent}")
+
+    def check_nothing_left(self) -> int:
+        """The connector's state once the trace ended: no transfer, pin or request left;
+        kvguard's record of the tier's copies names only blocks the tier holds. Returns
+        how many copies it records."""
+        m = self.manager
+        assert not self.sent and not m.has_pending_stores() and not m.kvguard_in_flight()
+        left = {
+            "loads": m._reqs_to_load,
+            "load events": m._load_event_to_reqs,
+            "stores": m._reqs_to_store,
+            "store events": m._store_event_to_reqs,
+            "blocks in flight": m._in_flight_store_gpu_blocks,
+            "CPU hits pinned": m._pending_cpu_hits,
+        }
+        assert not any(left.values()), {k: v for k, v in left.items() if v}
+        cpu_pool = m.cpu_block_pool
+        pinned = [b.block_id for b in cpu_pool.blocks if b.ref_cnt and not b.is_null]
+        assert not pinned, f"CPU blocks still referenced after the trace: {pinned}"
+        lookup = cpu_pool.cached_block_hash_to_block.get_one_block
+        for key in m._kvguard_stored:
+            assert lookup(key) is not None, f"kvguard records a copy the tier dropped: {key!r}"
+        return len(m._kvguard_stored)
+
+
+def _simple_cpu_scheduler(
+    groups: tuple[str, ...],
+    *,
+    async_scheduling: bool,
+    lazy: bool,
+    multi: bool,
+    cpu_blocks: int,
+    num_blocks: int,
+    max_num_seqs: int,
+) -> Any:
+    """The guarded scheduler behind kvguard's SimpleCPU connector (named directly, so
+    given its tier's size, ``num_cpu_blocks``: vLLM 0.32 sizes it from the bytes,
+    which say the same), inside a ``MultiConnector`` with ``multi``. Its KV cache
+    config describes a tensor per layer, which SimpleCPU sizes its tier from (the
+    harness's ``make_scheduler`` describes none): ``full`` and ``sliding`` groups,
+    the harness's (a 3-block window)."""
+    shape: dict[str, Any] = {
+        "block_size": BLOCK,
+        "num_kv_heads": 1,
+        "head_size": 1,
+        "dtype": torch.float32,
+    }
+    kinds = {"full": FullAttentionSpec, "sliding": SlidingWindowSpec}
+    specs = [
+        kinds[kind](**shape, **({"sliding_window": 3 * BLOCK} if kind == "sliding" else {}))
+        for kind in groups
+    ]
+    pages = [spec.page_size_bytes for spec in specs]
+    child = {
+        "kv_connector": "GuardedSimpleCPUOffloadConnector",
+        "kv_role": "kv_both",
+        "kv_connector_module_path": "kvguard.adapters.vllm.simple_cpu_offloading",
+        "kv_connector_extra_config": {
+            "cpu_bytes_to_use": sum(pages) * cpu_blocks,
+            "num_cpu_blocks": cpu_blocks,
+            "lazy_offload": lazy,
+        },
+    }
+    transfer = (
+        KVTransferConfig(
+            kv_connector="MultiConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"connectors": [child]},
+        )
+        if multi
+        else KVTransferConfig(**child)
+    )
+    vllm_config = make_vllm_config(
+        async_scheduling=async_scheduling,
+        num_blocks=num_blocks,
+        max_num_seqs=max_num_seqs,
+        kv_transfer_config=transfer,
+    )
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[
+            KVCacheTensor(
+                size=page * num_blocks,
+                layers=[f"layer{g}"],
+                layer_stride=page * num_blocks,
+                block_stride=page,
+            )
+            for g, page in enumerate(pages)
+        ],
+        kv_cache_groups=[KVCacheGroupSpec([f"layer{g}"], spec) for g, spec in enumerate(specs)],
+    )
+    cls = GuardedAsyncScheduler if async_scheduling else GuardedScheduler
+    return cls(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BLOCK,
+        log_stats=True,
+    )
 
 
 def _offloading_config(*, outputs: bool, **options: Any) -> Any:
@@ -893,6 +1288,53 @@ def _offloading_traces(groups: tuple[str, ...], async_scheduling: bool, multi: b
     totals = _run_traces(3, groups, async_scheduling, offload=True, multi=multi)
     assert totals["nan"] > 0 and totals["preempted"] > 0 and totals["aborted"] > 0
     assert totals["stored"] > 0 and totals["loaded"] > 0 and totals["evicted"] > 0
+
+
+SIMPLE_CPU_SHAPES = [("full",), ("full", "sliding")]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+@pytest.mark.parametrize("groups", SIMPLE_CPU_SHAPES, ids=["+".join(g) for g in SIMPLE_CPU_SHAPES])
+def test_random_fault_traces_with_the_guarded_simple_cpu_connector(
+    groups: tuple[str, ...], mode: str, async_scheduling: bool
+) -> None:
+    """The same traces behind kvguard's SimpleCPU connector (vLLM's
+    SimpleCPUOffloadConnector, gated), eager and lazy, its workers played by
+    :class:`SimpleCpuTier`; now and then a hash is found corrupt while its block is
+    being copied. Every store event copies complete KV of clean steps; every block
+    the CPU tier registers holds exactly the KV of clean steps for its hash (a copy
+    that finished after its block was invalidated is not registered); what loads back
+    passes the read checks; nothing is left in the connector when the trace ends; in
+    eager mode no validated prompt block is held back for good.
+
+    The gate mutated, traces fail: with ``GuardedSimpleCPUOffloadScheduler.
+    _kvguard_acknowledge`` accepting every ticket, every configuration (a copy that
+    finished after its block was invalidated reaches vLLM's
+    ``_process_store_completion``, which asserts on the block's missing hash); with
+    ``_kvguard_admit`` skipped, every configuration too (that, or a tainted copy left
+    registered: unrecorded, it is not purged); with ``_kvguard_validated_prefix``
+    returning the lists uncut, the async eager one (vLLM's cursor passes over a block
+    still being validated: a clean prompt block is never stored)."""
+    _simple_cpu_traces(groups, async_scheduling, mode, multi=False)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_random_fault_traces_with_the_simple_cpu_connector_inside_a_multi_connector(
+    mode: str, async_scheduling: bool
+) -> None:
+    """kvguard's SimpleCPU connector as a child of vLLM's ``MultiConnector``."""
+    _simple_cpu_traces(("full",), async_scheduling, mode, multi=True)
+
+
+def _simple_cpu_traces(
+    groups: tuple[str, ...], async_scheduling: bool, mode: str, multi: bool
+) -> None:
+    totals = _run_traces(6, groups, async_scheduling, simple_cpu=mode, multi=multi)
+    assert totals["nan"] > 0 and totals["preempted"] > 0 and totals["aborted"] > 0
+    assert totals["stored"] > 0 and totals["loaded"] > 0 and totals["evicted"] > 0
+    assert totals["tainted"] > 0 and totals["discarded"] > 0
 
 
 @pytest.mark.parametrize("policy", ["fail", "recompute"])

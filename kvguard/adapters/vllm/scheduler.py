@@ -636,6 +636,10 @@ class _GuardMixin:
             if kv_audit:
                 metrics.requests_failed_audit += sum(1 for r in failed if r in kv_audit)
             self._kvguard_log_aborts(aborted, failed, spans, kv_audit, fills)
+        # Stores waiting for this step's verdict (GuardedExampleConnector) are
+        # committed or deleted now, before vLLM counts the step in its stats.
+        for settle_stores in self._kvguard_settle_stores:
+            settle_stores()
         # The blocks vLLM caches while it processes the output are validated with it
         # when every write into them reported clean (the ledger's ``settles``: before
         # any block is freed, and here), else carried to the request's next step.
@@ -647,8 +651,6 @@ class _GuardMixin:
             pool.validate_settled()
         if ledger.noted.fills:
             self._kvguard_carry_late_fills(ledger.take_noted())
-        for settle_stores in self._kvguard_settle_stores:
-            settle_stores()
         for request in aborted:
             eco = outputs.get(request.client_index)
             if eco is None:

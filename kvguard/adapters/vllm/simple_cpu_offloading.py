@@ -357,21 +357,28 @@ class GuardedSimpleCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         is reading keeps its bytes until the load releases it, unhashed: no lookup
         finds it meanwhile, and its space is free after."""
         stored = self._kvguard_stored
-        lookup = self.cpu_block_pool.cached_block_hash_to_block.get_one_block
+        cpu_pool = self.cpu_block_pool
+        lookup = cpu_pool.cached_block_hash_to_block.get_one_block
         purged: list[BlockHash] = []
-        block_ids: set[int] = set()
+        evicted = 0
         for block_hash in hashes:
             if block_hash not in stored:
                 continue
             # (The core dropped its record itself, when it invalidated the hash.)
             stored.discard(block_hash)
-            block = lookup(block_hash)
-            if block is not None:
+            # The tier may hold several copies of a hash (a duplicate stored while the
+            # first copy was in flight): every one goes.
+            copies = 0
+            for _ in range(cpu_pool.num_gpu_blocks):
+                block = lookup(block_hash)
+                if block is None:
+                    break
+                cpu_pool.evict_blocks({block.block_id})
+                copies += 1
+            if copies:
                 purged.append(block_hash)
-                block_ids.add(block.block_id)
-        if block_ids:
-            self.cpu_block_pool.evict_blocks(block_ids)
-            self.kvguard_counters["offload_chunks_purged"] += len(block_ids)
+                evicted += copies
+        self.kvguard_counters["offload_chunks_purged"] += evicted
         return purged
 
     def kvguard_in_flight(self) -> dict[int, tuple[int, ...]]:

@@ -17,9 +17,11 @@ test unmodified, "given clean outputs" (:mod:`.guard`):
 A test that passes on stock vLLM and fails here shows where the guard changes what
 vLLM's scheduler does with clean steps; each is an expected failure (strict, with the
 exception it fails with) listed in :data:`LATER_PUBLICATION` (the guard publishes a
-block one step later than vLLM, by design) or :data:`INTERNALS` (the test reaches past
-the scheduler's interface, into what the guard replaces). The stock run's skips
-(``SKIPPED`` in tests/vllm/upstream/conftest.py) apply here too.
+block one step later than vLLM, by design), :data:`INTERNALS` (the test reaches past
+the scheduler's interface, into what the guard replaces) or
+:data:`REFUSED_CONFIGURATIONS` (the guard refuses the test's configuration at
+start-up). The stock run's skips (``SKIPPED`` in tests/vllm/upstream/conftest.py) apply
+here too.
 
 Not guarded here: a pooling model (``runner="pooling"``: the guard runs it as vLLM's own
 scheduler, as in the engine) and vLLM's ``DiffusionScheduler`` subclasses, which the
@@ -38,7 +40,12 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+from kvguard.adapters.vllm import plugin
 from kvguard.adapters.vllm.block_pool import GuardModeUnsupported
+from kvguard.adapters.vllm.config import GuardConfigError
+from kvguard.adapters.vllm.connector_gate import COVERAGE, Coverage, Exit
 from tests.vllm.upstream import conftest as upstream
 from tests.vllm.upstream.v0_34 import conftest as vendored
 
@@ -156,7 +163,39 @@ INTERNALS: dict[str, tuple[type[BaseException], str]] = {
 }
 
 
-EXPECTED_FAILURES = {**LATER_PUBLICATION, **INTERNALS}
+_STORAGE_WITHOUT_CACHING = (
+    GuardConfigError,
+    "The test runs vLLM's ExampleConnector with prefix caching off. kvguard gates that "
+    "connector's stores by the block hashes vLLM computes with prefix caching (a store "
+    "becomes visible once its blocks validated under their hashes), so the guarded "
+    "scheduler refuses the configuration at start-up, naming the setting.",
+)
+
+REFUSED_CONFIGURATIONS: dict[str, tuple[type[BaseException], str]] = {
+    # module::test[params] -> (what it fails with, why)
+    f"{module}::{test}": _STORAGE_WITHOUT_CACHING
+    for module, test in [
+        ("test_async_scheduler.py", "test_requires_kv_delivery_defaults_to_producer_role"),
+        ("test_async_scheduler.py", "test_kv_pressure_preempt_mid_handoff[kv_producer-False]"),
+        ("test_async_scheduler.py", "test_kv_pressure_preempt_mid_handoff[kv_consumer-False]"),
+        ("test_async_scheduler.py", "test_kv_pressure_preempt_mid_handoff[kv_consumer-True]"),
+        (
+            "test_scheduler.py",
+            "test_priority_scheduling_preemption_and_resumption_when_out_of_kv[False-None]",
+        ),
+        (
+            "test_scheduler.py",
+            "test_priority_scheduling_preemption_and_resumption_when_out_of_kv[True-ec_consumer]",
+        ),
+        ("test_scheduler.py", "test_prepend_skipped_requests_order"),
+        ("test_scheduler.py", "test_abort_request_waiting_for_remote_kvs"),
+        ("test_scheduler.py", "test_abort_request_finished_recving"),
+        ("test_scheduler.py", "test_delayed_kv_connector_free_keeps_scheduler_active"),
+    ]
+}
+"""Configurations the guard refuses at start-up, by design (docs/vllm.md)."""
+
+EXPECTED_FAILURES = {**LATER_PUBLICATION, **INTERNALS, **REFUSED_CONFIGURATIONS}
 
 
 @pytest.fixture(autouse=True)
@@ -165,6 +204,15 @@ def guarded(monkeypatch: pytest.MonkeyPatch, per_request_nans: None) -> Iterator
     with the guard on, and NaNs counted per request), checked after every change."""
     monkeypatch.setenv("KVGUARD_CHECK_INVARIANTS", "1")
     guard_vendored_modules(monkeypatch)
+    # The KV connectors they name, as in an engine under kvguard's plugin: vLLM's
+    # ExampleConnector is the gated one, and vLLM's test connector (``MockKVConnector``,
+    # which plays a prefill/decode or load-only connector) is declared gated at
+    # request_finished, as a user declares an out-of-tree connector ("kvguard_exit").
+    factory = KVConnectorFactory
+    monkeypatch.setattr(factory, "get_connector_class", factory.__dict__["get_connector_class"])
+    monkeypatch.setattr(factory, "_registry", dict(factory._registry))
+    plugin._patch_connector_cls()
+    monkeypatch.setitem(COVERAGE, "MockKVConnector", Coverage(Exit.AT_FINISH))
     yield
 
 
