@@ -208,20 +208,19 @@ front end has the final values. (Building them costs microseconds: not every ste
 class StatsSender:
     """Engine-core side: puts the scheduler's counters on the stats vLLM sends."""
 
-    __slots__ = ("_last", "_requests")
+    __slots__ = ("_last",)
 
     def __init__(self) -> None:
         self._last = float("-inf")
-        self._requests = -1
 
     def attach(self, stats: Any, scheduler: Any) -> None:
+        # A step that leaves the engine idle always sends: the engine makes no stats
+        # again until the next request, and a request that came and went within one
+        # step (a guard abort, say) would otherwise stay unreported until then.
         now = time.monotonic()
-        requests = len(scheduler.requests)
-        went_idle = requests == 0 and self._requests != 0
-        if not went_idle and now - self._last < SEND_INTERVAL_S:
-            self._requests = requests
+        if scheduler.requests and now - self._last < SEND_INTERVAL_S:
             return
-        self._last, self._requests = now, requests
+        self._last = now
         carrier = stats.num_kv_fetch_reqs_by_stage
         for name, value in scheduler.kvguard_stats().items():
             carrier[STATS_PREFIX + name] = value
