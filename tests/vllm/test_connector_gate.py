@@ -178,10 +178,27 @@ def log(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> It
             logger.removeHandler(caplog.handler)
 
 
-def _nixl(**kwargs: Any) -> Any:
+HAVE_MOONCAKE_MODULE = all(
+    importlib.util.find_spec(name) is not None for name in ("msgpack", "uvicorn")
+)
+P_D = [
+    pytest.param("NixlConnector", marks=needs_nixl),
+    pytest.param(
+        "MooncakeConnector",
+        marks=pytest.mark.skipif(
+            not HAVE_MOONCAKE_MODULE,
+            reason="vLLM's Mooncake module imports msgpack and uvicorn (see requirements/)",
+        ),
+    ),
+]
+"""The prefill/decode connectors whose scheduler side builds here."""
+
+
+def _p_d(name: str, **kwargs: Any) -> Any:
+    """A prefill instance's scheduler with the connector ``name``."""
+    role = "kv_both" if name == "NixlConnector" else "kv_producer"
     return make_scheduler(
-        kv_transfer_config=KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both"),
-        **kwargs,
+        kv_transfer_config=KVTransferConfig(kv_connector=name, kv_role=role), **kwargs
     )
 
 
@@ -191,7 +208,11 @@ def _prefill(s: Any, request_id: str, outcome: str) -> tuple[str, dict[str, Any]
     (``unchecked``). Returns its finish reason and the transfer parameters its client
     gets (what a proxy hands the decode instance)."""
     request = make_request(request_id, list(range(100, 100 + 3 * BLOCK)), max_tokens=1)
-    request.kv_transfer_params = {"do_remote_decode": True, "do_remote_prefill": False}
+    request.kv_transfer_params = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "transfer_id": f"xfer-{request_id}",  # (Mooncake's)
+    }
     s.add_request(request)
     so = s.schedule()
     mo = model_output(s, so, {request_id: 1} if outcome == "nan" else None)
@@ -211,50 +232,54 @@ def _held(s: Any, request_id: str) -> bool:
     )
 
 
-@needs_nixl
+def _handed_over(s: Any, request_id: str, params: dict[str, Any] | None) -> bool:
+    """Whether the request was handed to the decode side: its blocks kept for the
+    transfer, and (NIXL) the parameters a proxy passes on."""
+    if type(s.connector).__name__.startswith("Nixl") and _held(s, request_id):
+        assert params is not None and params["remote_block_ids"]
+    return _held(s, request_id)
+
+
+@pytest.mark.parametrize("name", P_D)
 @pytest.mark.usefixtures("log")
-def test_nixl_sends_only_requests_that_ended_after_clean_counted_steps(
-    caplog: pytest.LogCaptureFixture,
+def test_p_d_sends_only_requests_that_ended_after_clean_counted_steps(
+    name: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    s = _nixl()
-    assert type(s.connector).__name__ in {"NixlConnector", "NixlPullConnector"}
+    s = _p_d(name)
     reason, params = _prefill(s, "clean", "clean")
-    assert reason == "length" and params is not None and params["remote_block_ids"]
-    assert _held(s, "clean")
+    assert reason == "length" and _handed_over(s, "clean", params)
     reason, params = _prefill(s, "nan", "nan")
-    assert (reason, params) == ("error", None) and not _held(s, "nan")
+    assert reason == "error" and params is None and not _handed_over(s, "nan", params)
     reason, params = _prefill(s, "unchecked", "unchecked")
-    assert (reason, params) == ("length", None) and not _held(s, "unchecked")
+    assert reason == "length" and params is None and not _handed_over(s, "unchecked", params)
     assert s.kvguard_stats()["connector_handoffs_withheld"] == 1
     (warning,) = [r for r in caplog.records if "not handed to the KV connector" in r.message]
     assert "unchecked" in warning.getMessage()
     line = next(r.getMessage() for r in caplog.records if "guard in force" in r.getMessage())
-    assert "connectors gated: NixlPullConnector (at request_finished)" in line or (
-        "connectors gated: NixlConnector (at request_finished)" in line
-    )
+    assert f"connectors gated: {type(s.connector).__name__} (at request_finished)" in line
 
 
-@needs_nixl
-def test_stock_nixl_sends_a_failed_or_unchecked_request() -> None:
+@pytest.mark.parametrize("name", P_D)
+def test_stock_p_d_sends_a_failed_or_unchecked_request(name: str) -> None:
     """The same requests on stock vLLM: all three are handed over."""
-    s = _nixl(guarded=False)
+    s = _p_d(name, guarded=False)
     for request_id in ("clean", "nan", "unchecked"):
         reason, params = _prefill(s, request_id, request_id)
-        assert reason == "length" and params is not None and params["remote_block_ids"]
-        assert _held(s, request_id)
+        assert reason == "length" and _handed_over(s, request_id, params)
 
 
-@needs_nixl
-def test_nixl_inside_a_multi_connector_is_gated() -> None:
-    child = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+@pytest.mark.parametrize("name", P_D)
+def test_p_d_inside_a_multi_connector_is_gated(name: str) -> None:
+    role = "kv_both" if name == "NixlConnector" else "kv_producer"
     s = make_scheduler(
         kv_transfer_config=KVTransferConfig(
             kv_connector="MultiConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config={"connectors": [child]},
+            kv_role=role,
+            kv_connector_extra_config={"connectors": [{"kv_connector": name, "kv_role": role}]},
         )
     )
-    assert _prefill(s, "nan", "nan")[1] is None
-    assert _prefill(s, "unchecked", "unchecked")[1] is None
-    _, params = _prefill(s, "clean", "clean")
-    assert params is not None and params["remote_block_ids"]
+    for request_id in ("nan", "unchecked"):
+        _prefill(s, request_id, request_id)
+        assert not _held(s, request_id)
+    _prefill(s, "clean", "clean")
+    assert _held(s, "clean")
