@@ -48,7 +48,8 @@ if HAVE_ENGINE:
 
 PROMPT = 100
 """Prompt length: its first 96 tokens (three blocks) are what the connector stores."""
-STORED = (PROMPT - 1) // BLOCK * BLOCK
+if HAVE_ENGINE:
+    STORED = (PROMPT - 1) // BLOCK * BLOCK
 
 
 def _engine(model_dir: str, guard: bool, role: str, storage: Path, log: Path) -> Any:

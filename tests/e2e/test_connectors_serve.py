@@ -26,8 +26,9 @@ if HAVE_ENGINE:
     from .test_serve import Server, _start, _stop, _wait_ready
 
 ABORTED = 'kvguard:requests_aborted_total{engine="0"}'
-KW = dict(ENGINE_KWARGS, max_num_batched_tokens=256)
-"""One prefill step per prompt (vLLM's example connector stores a first chunk only)."""
+if HAVE_ENGINE:
+    KW = dict(ENGINE_KWARGS, max_num_batched_tokens=256)
+    """One prefill step per prompt (vLLM's example connector stores a first chunk only)."""
 
 
 @pytest.fixture(scope="module")
