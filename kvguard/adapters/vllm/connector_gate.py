@@ -5,14 +5,14 @@ that moment decides how kvguard can gate it:
 
 * **copies the scheduler side picks** (vLLM's CPU offloading, SimpleCPU offloading,
   the example connector's shared storage): kvguard's subclass of the connector copies,
-  or makes visible, only blocks whose steps validated (:data:`GUARDED`; the plugin
-  substitutes it for vLLM's name). vLLM's own class under a guarded scheduler is
-  refused, naming the subclass.
+  or makes visible, only blocks whose steps validated (``plugin.GUARDED_CONNECTORS``;
+  the plugin substitutes it for vLLM's name). vLLM's own class under a guarded
+  scheduler is refused, naming the subclass.
 * **KV of a finished request**, shipped from ``request_finished`` (prefill/decode:
-  NIXL, Mooncake, MoRIIO): the request-finished gate (:func:`connector_finished`)
-  shows the connector a request that did not end after clean, counted steps as
-  aborted, so it sends and keeps nothing of it, and hands the client no transfer
-  parameters.
+  NIXL, Mooncake, MoRIIO in read mode): the request-finished gate
+  (:func:`withhold_from_connector`) shows the connector a request that did not end
+  after clean, counted steps as aborted, so it sends and keeps nothing of it, and
+  hands the client no transfer parameters.
 * **KV saved by the workers during the forward**, before the step's NaN count exists
   (LMCache, Mooncake's and UMBP's stores, HF3FS, FlexKV, ...): nothing on the
   scheduler side can hold such a save back, and these stores offer the scheduler no

@@ -169,27 +169,33 @@ class GuardedExampleConnector(ExampleConnector):
         # tokens it covers (the requests it could be: loads, or new ones storing). A
         # store matching none (not expected) is left out: nothing could validate it.
         storing = [r for r in new.values() if r.request_id not in loading]
+        loads = list(loading.values())
         kept = []
         for entry in meta.requests:
-            candidates = storing if entry.is_store else list(loading.values())
-            request = _take_match(candidates, entry.token_ids.tolist())
-            if request is not None:
-                self._kvguard_pending.append(self._kvguard_pend(request, entry))
+            request = _take_match(storing if entry.is_store else loads, entry.token_ids.tolist())
+            pending = None if request is None else self._kvguard_pend(request, entry)
+            if pending is not None:
+                self._kvguard_pending.append(pending)
             elif entry.is_store:
-                logger.warning("kvguard: a shared-storage store matches no request; not saved")
+                logger.warning(
+                    "kvguard: a shared-storage store kvguard cannot match to its request's "
+                    "block hashes is not saved"
+                )
                 continue
             kept.append(entry)
         meta.requests = kept
         return meta
 
-    def _kvguard_pend(self, request: Any, entry: Any) -> _Pending:
-        """The pending record of a metadata entry: a store gets its staging folder."""
+    def _kvguard_pend(self, request: Any, entry: Any) -> _Pending | None:
+        """The pending record of a metadata entry (a store gets its staging folder), or
+        None if the request has no block hash for a block the entry covers."""
         block_size = self._block_size
         slots = entry.slot_mapping.tolist()
         block_ids = tuple(s // block_size for s in slots[::block_size])
         suffix = group_suffix(0)
         hashes = tuple(BlockHash(h + suffix) for h in request.block_hashes[: len(block_ids)])
-        block_ids = block_ids[: len(hashes)]
+        if len(hashes) < len(block_ids):
+            return None
         folder = str(super()._generate_foldername_debug(entry.token_ids, entry.mm_hashes, False))
         staging = None
         if entry.is_store:
