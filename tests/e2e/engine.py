@@ -13,10 +13,13 @@ the scheduler's pool (in-process engines) and the worker's real KV cache tensors
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from collections.abc import Iterable, Sequence
+import sys
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -487,6 +490,49 @@ def restore_env(saved: dict[str, str | None]) -> None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@contextlib.contextmanager
+def output_to(path: Path) -> Iterator[None]:
+    """This process's fds 1 and 2 -- and so those of the processes it starts --
+    appended to ``path`` while inside; put back on exit."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        for fd in saved:
+            os.dup2(target, fd)
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, old in saved.items():
+            os.dup2(old, fd)
+            os.close(old)
+        os.close(target)
+
+
+def connector_engine(
+    model_dir: str,
+    guard: bool,
+    kv_transfer_config: Any,
+    log: Path,
+    env: dict[str, str] | None = None,
+) -> Any:
+    """A multiprocess engine (its engine core and worker in processes of their own, as
+    vLLM keeps a process's KV connector in a process-wide global) with the connector
+    ``kv_transfer_config``, one prefill step per prompt (vLLM's example connector
+    stores a first chunk only), its processes' output appended to ``log``."""
+    from vllm import LLM
+
+    saved = apply_env({**engine_env(guard), "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})})
+    kwargs = dict(ENGINE_KWARGS, max_num_batched_tokens=256)
+    try:
+        with output_to(log):
+            return LLM(model=model_dir, kv_transfer_config=kv_transfer_config, **kwargs)
+    finally:
+        restore_env(saved)
 
 
 # ---------------------------------------------------------------- hybrid engine state

@@ -33,18 +33,14 @@ if HAVE_ENGINE:
     from .conftest import shutdown
     from .engine import (
         BLOCK,
-        ENGINE_KWARGS,
         Result,
-        apply_env,
-        engine_env,
+        connector_engine,
         generate,
-        restore_env,
         set_faults,
         tokens,
         trigger,
         with_token,
     )
-    from .test_multiprocess import _output_to
 
 PROMPT = 100
 """Prompt length: its first 96 tokens (three blocks) are what the connector stores."""
@@ -53,24 +49,14 @@ if HAVE_ENGINE:
 
 
 def _engine(model_dir: str, guard: bool, role: str, storage: Path, log: Path) -> Any:
-    from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    env = engine_env(guard)
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-    saved = apply_env(env)
-    kwargs = dict(ENGINE_KWARGS, max_num_batched_tokens=256)
     config = KVTransferConfig(
         kv_connector="ExampleConnector",
         kv_role=role,
         kv_connector_extra_config={"shared_storage_path": str(storage)},
     )
-    try:
-        with _output_to(log):
-            llm = LLM(model=model_dir, kv_transfer_config=config, **kwargs)
-    finally:
-        restore_env(saved)
-    return llm
+    return connector_engine(model_dir, guard, config, log)
 
 
 @pytest.fixture(scope="module")

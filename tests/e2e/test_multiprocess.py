@@ -9,10 +9,8 @@ to its own stdout, which it inherits from this process while the engine is built
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +33,7 @@ if HAVE_ENGINE:
         generate,
         model_name,
         non_finite_blocks,
+        output_to,
         restore_env,
         tokens,
         trigger,
@@ -47,27 +46,6 @@ CORE_LOG: dict[str, Path] = {}
 stderr: this process's fds 1 and 2 while the engine was built, which they inherit."""
 
 
-@contextlib.contextmanager
-def _output_to(path: Path) -> Iterator[None]:
-    """This process's fds 1 and 2 -- and so those of the processes it starts --
-    appended to ``path`` while inside; put back on exit."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = {fd: os.dup(fd) for fd in (1, 2)}
-    target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        for fd in saved:
-            os.dup2(target, fd)
-        yield
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        for fd, old in saved.items():
-            os.dup2(old, fd)
-            os.close(old)
-        os.close(target)
-
-
 def _engine(model_dir: str, guard: bool, log: Path) -> Any:
     from vllm import LLM
 
@@ -75,7 +53,7 @@ def _engine(model_dir: str, guard: bool, log: Path) -> Any:
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     saved = apply_env(env)
     try:
-        with _output_to(log):
+        with output_to(log):
             llm = LLM(model=model_dir, **ENGINE_KWARGS)
     finally:
         restore_env(saved)

@@ -44,19 +44,15 @@ pytestmark = [
 if HAVE_ENGINE:
     from .conftest import shutdown
     from .engine import (
-        ENGINE_KWARGS,
         Result,
-        apply_env,
-        engine_env,
+        connector_engine,
         generate,
-        restore_env,
         result,
         set_faults,
         tokens,
         trigger,
         with_token,
     )
-    from .test_multiprocess import _output_to
 
 PROMPT = 100
 """Prompt length: one prefill step; the decode instance reads all of it (vLLM's NIXL
@@ -73,24 +69,16 @@ def _free_port() -> int:
 
 
 def _engine(model_dir: str, guard: bool, role: str, log: Path) -> Any:
-    from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    env = engine_env(guard)
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-    env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
-    env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(_free_port())
-    saved = apply_env(env)
-    kwargs = dict(ENGINE_KWARGS, max_num_batched_tokens=256)
     # The CPU platform's NIXL takes only a CPU buffer: the KV cache itself is
     # registered with NIXL (DRAM), no host copy. UCX is the connector's default backend.
     config = KVTransferConfig(kv_connector="NixlConnector", kv_role=role, kv_buffer_device="cpu")
-    try:
-        with _output_to(log):
-            llm = LLM(model=model_dir, kv_transfer_config=config, **kwargs)
-    finally:
-        restore_env(saved)
-    return llm
+    side_channel = {
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port()),
+    }
+    return connector_engine(model_dir, guard, config, log, side_channel)
 
 
 @pytest.fixture(scope="module")

@@ -47,6 +47,7 @@ if HAVE_ENGINE:
         engine_env,
         faults_fired,
         generate,
+        output_to,
         restore_env,
         result,
         scan_kv_cache,
@@ -55,7 +56,6 @@ if HAVE_ENGINE:
         trigger,
         with_token,
     )
-    from .test_multiprocess import _output_to
     from .test_serve import Server, _flags, _free_port, _wait_ready
     from .test_serve import _stop as stop_server
 
@@ -296,7 +296,7 @@ class TestTensorAndPipelineParallel:
         log = tmp_path / "engine-core.log"
         saved = apply_env({**engine_env(True), **BIND, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
         try:
-            with _output_to(log), pytest.raises(RuntimeError, match="initialization failed"):
+            with output_to(log), pytest.raises(RuntimeError, match="initialization failed"):
                 LLM(
                     model=model_dir,
                     **ENGINE_KWARGS,
@@ -331,7 +331,7 @@ class DPEngine:
         env = {**engine_env(guard), **BIND}
         saved = apply_env(env)
         try:
-            with _output_to(log):
+            with output_to(log):
                 args = AsyncEngineArgs(model=model_dir, data_parallel_size=2, **ENGINE_KWARGS)
                 self.llm = AsyncLLM.from_engine_args(args)
         finally:

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import logging
 import math
 import os
 import random
 import tempfile
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
+import pytest
 import torch
 from vllm.config import (
     CacheConfig,
@@ -518,3 +521,24 @@ def offloading_metadata(so: Any) -> Any:
     """The step's offloading connector metadata (inside a MultiConnector's, if any)."""
     meta = so.kv_connector_metadata
     return meta.metadata[0] if isinstance(meta, MultiKVConnectorMetadata) else meta
+
+
+@contextlib.contextmanager
+def records_of(
+    loggers: Sequence[logging.Logger], caplog: pytest.LogCaptureFixture, monkeypatch: Any
+) -> Iterator[None]:
+    """``caplog`` gets what ``loggers`` log at INFO and above while inside (kvguard's
+    loggers sit under vLLM's, which stops propagation: the records are caught at each
+    logger)."""
+    disabled = logging.root.manager.disable  # (vLLM's suppress_logging can leave it set)
+    logging.disable(logging.NOTSET)
+    for logger in loggers:
+        monkeypatch.setattr(logger, "propagate", False)
+        caplog.set_level(logging.INFO, logger=logger.name)
+        logger.addHandler(caplog.handler)
+    try:
+        yield
+    finally:
+        logging.disable(disabled)
+        for logger in loggers:
+            logger.removeHandler(caplog.handler)

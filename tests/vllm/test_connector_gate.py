@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import importlib.util
-import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,7 +42,7 @@ from kvguard.adapters.vllm.connector_gate import (  # noqa: E402
     refuse_ungated,
 )
 
-from .harness import BLOCK, make_request, make_scheduler, model_output  # noqa: E402
+from .harness import BLOCK, make_request, make_scheduler, model_output, records_of  # noqa: E402
 
 HAVE_NIXL = importlib.util.find_spec("nixl") is not None
 needs_nixl = pytest.mark.skipif(
@@ -159,23 +158,11 @@ def test_the_setting_that_makes_a_connector_gateable(
 
 @pytest.fixture
 def log(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """``caplog`` gets what kvguard logs (its loggers sit under vLLM's, which stops
-    propagation: the records are caught at each logger)."""
+    """``caplog`` gets what the guarded scheduler and the connector log."""
     from kvguard.adapters.vllm import connector_gate
 
-    loggers = [scheduler_module.logger, connector_gate.logger]
-    disabled = logging.root.manager.disable
-    logging.disable(logging.NOTSET)
-    for logger in loggers:
-        monkeypatch.setattr(logger, "propagate", False)
-        caplog.set_level(logging.INFO, logger=logger.name)
-        logger.addHandler(caplog.handler)
-    try:
+    with records_of([scheduler_module.logger, connector_gate.logger], caplog, monkeypatch):
         yield
-    finally:
-        logging.disable(disabled)
-        for logger in loggers:
-            logger.removeHandler(caplog.handler)
 
 
 HAVE_MOONCAKE_MODULE = all(

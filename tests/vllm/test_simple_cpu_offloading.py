@@ -11,7 +11,6 @@ requests whose load event finished (``finished_recving``) -- in a step's
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,6 +62,7 @@ from .harness import (  # noqa: E402
     make_request,
     make_vllm_config,
     model_output,
+    records_of,
     tensor_backed_kv_cache_config,
 )
 
@@ -716,22 +716,9 @@ def test_naming_the_guarded_class_needs_the_tiers_size() -> None:
 
 @pytest.fixture
 def log(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """``caplog`` gets what the guarded scheduler and the connector log at INFO and
-    above (their loggers sit under vLLM's, which stops propagation: the records are
-    caught at each logger)."""
-    loggers = [scheduler_module.logger, simple_cpu_module.logger]
-    disabled = logging.root.manager.disable  # (vLLM's suppress_logging can leave it set)
-    logging.disable(logging.NOTSET)
-    for logger in loggers:
-        monkeypatch.setattr(logger, "propagate", False)
-        caplog.set_level(logging.INFO, logger=logger.name)
-        logger.addHandler(caplog.handler)
-    try:
+    """``caplog`` gets what the guarded scheduler and the connector log."""
+    with records_of([scheduler_module.logger, simple_cpu_module.logger], caplog, monkeypatch):
         yield
-    finally:
-        logging.disable(disabled)
-        for logger in loggers:
-            logger.removeHandler(caplog.handler)
 
 
 @pytest.fixture
