@@ -5,10 +5,13 @@ Each trace runs requests with shared prefixes through a small pool (so vLLM pree
 chunked prefill and decode, on full-attention, sliding-window, chunked-local and R-SWA
 groups and on hybrid models (a Mamba or Mamba2 state group beside full attention),
 sync and async, with prefix caching on and off, optionally behind the guarded
-offloading connector or the guarded SimpleCPU connector (eager or lazy, its workers
-played by :class:`SimpleCpuTier`) and optionally with speculative decoding (drafts that
-the model accepts or rejects), while outputs randomly carry NaN counts, come back
-without a count, and clients abort requests (mid-step under async). The test keeps its
+offloading connector, the guarded SimpleCPU connector (eager or lazy, its workers
+played by :class:`SimpleCpuTier`), the guarded ExampleConnector (shared storage, its
+workers played by :class:`SharedStorage`) or vLLM's NixlConnector (prefill/decode,
+through kvguard's request-finished gate; :class:`NixlHandoff`), and optionally with
+speculative decoding (drafts that the model accepts or rejects), while outputs randomly
+carry NaN counts, come back without a count, and clients abort requests (mid-step
+under async). The test keeps its
 own record of every KV slot: which step wrote it, for which token prefix, and what
 became of that step (clean, NaN, unchecked, or dropped because its request was
 preempted, aborted or finished before the output arrived). At every step it checks what
@@ -23,6 +26,11 @@ docs/design.md promises (its "Invariants" and "Inside vLLM" sections):
   SimpleCPU: every block its CPU tier registers (loadable) holds exactly that, also
   once its hash was found corrupt after the fact (``invalidate``: the tier's copies
   purged, one still running never registered);
+* ExampleConnector: every folder visible on the storage holds KV of clean steps for
+  exactly the tokens its name covers, and every load brings only that; a staged
+  folder lives while its step awaits its verdict, a loaded one whose step failed is
+  deleted; NIXL: a request is handed over exactly when it ended after steps counted
+  clean, and its blocks, holding KV of clean steps, stay until the send is reported;
 * every block published to the prefix cache holds, in every slot, KV of clean steps
   for the token prefix its hash names, and no step writes into a published block: KV a
   step wrote at rejected draft positions (another prefix's) is never read, published
@@ -47,10 +55,15 @@ that holds the state of a NaN or dropped step is zeroed first.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import inspect
+import os
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -59,7 +72,12 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
 import torch  # noqa: E402
+
+# (vLLM resolves NIXL's names while a config is being built; importing its wrapper
+# first keeps that from running into a half-initialised module.)
+import vllm.distributed.nixl_utils  # noqa: E402, F401
 from vllm.config import KVTransferConfig  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (  # noqa: E402
     MultiKVConnectorMetadata,
     MultiKVConnectorWorkerMetadata,
@@ -86,6 +104,8 @@ from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata  #
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from kvguard import BlockHash, BlockState  # noqa: E402
+from kvguard.adapters.vllm.example_connector import TIER as STORAGE_TIER  # noqa: E402
+from kvguard.adapters.vllm.example_connector import GuardedExampleConnector  # noqa: E402
 from kvguard.adapters.vllm.scheduler import GuardedAsyncScheduler, GuardedScheduler  # noqa: E402
 
 from .harness import (  # noqa: E402
@@ -125,6 +145,15 @@ Slot = tuple[int, Writer] | None
 written, or bytes a failed load left unknown)."""
 TAINT: Writer = (-1, "taint", 0)
 """The writer of KV found corrupt after the fact (``invalidate``), as bad as a NaN step's."""
+STORAGE_LAYER = "model.layers.0.self_attn.attn"
+"""The one layer ExampleConnector's workers save and load (:class:`SharedStorage`)."""
+STORAGE_BATCH = 512
+"""``max_num_batched_tokens`` behind ExampleConnector: more than the pool's 12 blocks
+hold, so every prompt fits its first step (vLLM's ExampleConnector stores a prompt from
+that step only: a chunked one would be stored in part, under its whole name)."""
+STAGED = ".kvguard-"
+"""In the name of a folder kvguard's ExampleConnector stages (no lookup finds it)."""
+HAVE_NIXL = importlib.util.find_spec("nixl") is not None
 
 
 @dataclass
@@ -201,11 +230,26 @@ class FaultTrace:
         spec_tokens: int = 0,
         offload_outputs: bool = False,
         simple_cpu: str | None = None,
+        storage: Path | None = None,
+        nixl: bool = False,
     ) -> None:
         """``offload``: behind the guarded OffloadingConnector; ``simple_cpu``
         (``"eager"``, ``"lazy"``): behind the guarded SimpleCPU connector in that mode
-        instead (:class:`SimpleCpuTier`); ``multi``: either inside a MultiConnector."""
+        instead (:class:`SimpleCpuTier`); ``storage``: behind the guarded
+        ExampleConnector on a shared storage in a folder of its own there
+        (:class:`SharedStorage`); ``multi``: any of them inside a MultiConnector;
+        ``nixl``: prefill-instance requests (``do_remote_decode``) behind vLLM's
+        NixlConnector (:class:`NixlHandoff`)."""
         self.rng = rng = random.Random(seed)
+        # What settle() injects, for a request's first step and for its others: a NaN
+        # count (below the first rate), no count (below the second). A shared-storage
+        # store or load is decided by its request's first step; a handoff by a short
+        # request's few steps.
+        self.fault_rates = {"first": (0.03, 0.05), "later": (0.03, 0.05)}
+        if storage is not None:
+            self.fault_rates["first"] = (0.12, 0.24)
+        elif nixl:
+            self.fault_rates = {"first": (0.08, 0.2), "later": (0.03, 0.15)}
         self.async_scheduling = async_scheduling
         # Mamba groups: their block size, and the worker's state column per request.
         self.state_groups = {g for g, kind in enumerate(groups) if kind in ("mamba", "mamba2")}
@@ -232,7 +276,7 @@ class FaultTrace:
                 spec_tokens,
                 groups=groups,
                 async_scheduling=async_scheduling,
-                num_blocks=12 if groups == ("chunked",) else 22,
+                num_blocks=12 if groups == ("chunked",) or storage is not None or nixl else 22,
                 max_num_seqs=8,
                 prefix_caching=prefix_caching,
                 **(
@@ -252,8 +296,14 @@ class FaultTrace:
                         outputs=offload_outputs,
                     )
                     if offload
+                    else _storage_config(storage / f"seed{seed}", multi=multi)
+                    if storage is not None
+                    else KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both")
+                    if nixl
                     else None
                 ),
+                # ExampleConnector stores a prompt from its first step: all of it then.
+                **({"max_num_batched_tokens": STORAGE_BATCH} if storage is not None else {}),
             )
         )
         self.offload = offload
@@ -286,17 +336,27 @@ class FaultTrace:
         self.expected: dict[str, list[int]] = {}
         # With offloading, a second wave comes back to the prefixes after the small GPU
         # pool evicted them, and loads them from the CPU tier.
-        waves = [(0, 12)] + [(40, 60)] * (offload or simple_cpu is not None)
+        tiered = offload or simple_cpu is not None or storage is not None
+        waves = [(0, 12)] + [(40, 60)] * tiered
         prompts: list[list[int]] = []
+        # The shared storage holds whole prompts: the requests come back to a few.
+        stored = [_storage_prompt(rng, prefixes) for _ in range(8)] if storage else []
         for i in range(14 * len(waves)):
-            prompt = rng.choice(prefixes)[: rng.randrange(BLOCK, 2 * BLOCK + 1)]
-            prompt = prompt + [rng.randrange(1000, 50_000) for _ in range(rng.randrange(1, 50))]
-            if self.state_groups and prompts and rng.random() < 0.3:
-                # A Mamba state is cached where a step ends on a block boundary (the
-                # prompt's last one, say): the same prompt again hits it.
-                prompt = list(rng.choice(prompts))
-            prompts.append(prompt)
-            max_tokens = rng.randrange(4, 60)
+            if stored:
+                prompt = list(rng.choice(stored))
+                prompts.append(prompt)
+                # (Within the prompt's last block: see SharedStorage.)
+                max_tokens = rng.randrange(2, 9)
+            else:
+                prompt = rng.choice(prefixes)[: rng.randrange(BLOCK, 2 * BLOCK + 1)]
+                prompt = prompt + [rng.randrange(1000, 50_000) for _ in range(rng.randrange(1, 50))]
+                if self.state_groups and prompts and rng.random() < 0.3:
+                    # A Mamba state is cached where a step ends on a block boundary (the
+                    # prompt's last one, say): the same prompt again hits it.
+                    prompt = list(rng.choice(prompts))
+                prompts.append(prompt)
+                # A prefill instance's requests are short (often one token).
+                max_tokens = rng.randrange(1, 16) if nixl else rng.randrange(4, 60)
             arrival = rng.randrange(*waves[i // 14])
             self.arrivals.setdefault(arrival, []).append((f"r{i}", prompt, max_tokens))
             # With drafts, the last steps (two in flight under async) may compute past
@@ -304,8 +364,12 @@ class FaultTrace:
             extra = 2 * (spec_tokens + 1) if spec_tokens else 0
             self.expected[f"r{i}"] = _prefix_ids(prompt + [TOKEN] * (max_tokens + extra))
         self.incarnation = dict.fromkeys(self.expected, 0)
+        self.steps_uncounted: set[Writer] = set()
+        """The steps whose output came back without a NaN count for their request."""
         self.kv = KvModel(incarnation=self.incarnation)
         self.tier = SimpleCpuTier(self) if simple_cpu else None
+        self.storage = SharedStorage(self) if storage is not None else None
+        self.nixl = NixlHandoff(self) if nixl else None
         self.finished: set[str] = set()
         self.ended: dict[str, str] = {}
         """Request -> the finish reason of its output (clients' aborts have none)."""
@@ -328,6 +392,12 @@ class FaultTrace:
             "states_published": 0,
             "states_zeroed": 0,
             "tainted": 0,
+            "storage_stores": 0,
+            "storage_loads": 0,
+            "storage_failed_loads": 0,
+            "handoffs": 0,
+            "handoffs_vouched": 0,
+            "withheld": 0,
         }
 
     @staticmethod
@@ -347,6 +417,8 @@ class FaultTrace:
         for t in range(400):
             for req_id, prompt, max_tokens in self.arrivals.get(t, ()):
                 request = self.requests[req_id] = make_request(req_id, prompt, max_tokens)
+                if self.nixl is not None:
+                    request.kv_transfer_params = {"do_remote_decode": True}
                 s.add_request(request)
             pending.append(self.schedule(t))
             if self.async_scheduling:
@@ -383,6 +455,11 @@ class FaultTrace:
             assert stats["offload_chunks_stored"] > 0
             self.seen["evicted"] = stats["offload_chunks_evicted"]
             self.seen["discarded"] = stats["offload_chunks_discarded"]
+        if self.storage is not None:
+            stats = s.kvguard_stats()
+            assert stats["storage_stores_committed"] == self.seen["storage_stores"]
+            self.seen["discarded"] = stats["storage_stores_discarded"]
+            self.seen["purged"] = stats["storage_folders_purged"]
         return self.seen
 
     def tier_busy(self) -> bool:
@@ -408,6 +485,8 @@ class FaultTrace:
         if self.tier is not None:
             recorded += self.tier.check_nothing_left()
             self.tier.check_nothing_held_back()
+        elif self.storage is not None:
+            recorded += self.storage.check_nothing_left()
         assert len(pool.core.snapshot().tier_copies) <= recorded
 
     def retire(self, req_id: str) -> None:
@@ -437,6 +516,7 @@ class FaultTrace:
             # The worker seeds a new (or resumed) request's state column from its
             # computed tokens: -1, a fresh state; else the prefix hit's block.
             self.state_col[req_id] = (computed - 1) // self.state_block
+        reads = []
         for req_id, n in so.num_scheduled_tokens.items():
             start = s.requests[req_id].num_computed_tokens - n
             old = tables_before.get(req_id, ())
@@ -452,7 +532,7 @@ class FaultTrace:
                         f"block {b} reused unzeroed with failed KV (or Mamba state)"
                     )
                 if g not in self.state_groups:  # (a state is read in step_state)
-                    self.check_reads(req_id, blocks, starts[req_id])
+                    reads.append((req_id, blocks, starts[req_id]))
             if start > 0 and not any(old):
                 self.seen["hit_tokens"] += start  # a prefix hit at admission or resumption
         for b in zeroed:
@@ -463,6 +543,12 @@ class FaultTrace:
             self.transfer(so)
         elif self.tier is not None:
             self.tier.load(so)  # (before the forward)
+        elif self.storage is not None:
+            self.storage.load(so)  # (before the forward, into blocks the step reads)
+        # The reads, after the zeroing and the loads: ExampleConnector loads into blocks
+        # its request's step reads.
+        for args in reads:
+            self.check_reads(*args)
         self.check_published()
         writers: dict[str, Writer] = {}
         hashed = [b.block_hash is not None for b in s.kvguard_pool.blocks]
@@ -495,6 +581,8 @@ class FaultTrace:
                     self.kv.write(b, p % BLOCK, prefix, w)
         if self.tier is not None:
             self.tier.send_stores(so)  # (after the forward: wait_for_save)
+        elif self.storage is not None:
+            self.storage.save(so, writers)  # (during the forward: save_kv_layer)
         return so, writers
 
     def step_state(
@@ -785,12 +873,14 @@ class FaultTrace:
         s, kv, rng = self.s, self.kv, self.rng
         nans: dict[str, int] = {}
         uncounted = []
+        first = {new.req_id for new in so.scheduled_new_reqs}
         for req_id in so.num_scheduled_tokens:
             if req_id in s.requests and not s.requests[req_id].is_finished():
+                nan_rate, uncounted_rate = self.fault_rates["first" if req_id in first else "later"]
                 roll = rng.random()
-                if roll < 0.03:
+                if roll < nan_rate:
                     nans[req_id] = 1
-                elif roll < 0.05:
+                elif roll < uncounted_rate:
                     uncounted.append(req_id)
         if self.offload:
             completed, received, invalid = self.transfers_done(so)
@@ -799,6 +889,8 @@ class FaultTrace:
             )
         elif self.tier is not None:
             output = self.tier.output(so, nans)
+        elif self.nixl is not None:
+            output = self.nixl.output(so, nans)
         else:
             output = model_output(s, so, nans)
         for req_id in uncounted:
@@ -806,7 +898,8 @@ class FaultTrace:
         live = {r: w[2] == self.incarnation[r] for r, w in writers.items()}
         if self.spec_tokens:
             self.sample(output, writers, live)
-        reasons = finish_reasons(s.update_from_output(so, output))
+        outputs = s.update_from_output(so, output)
+        reasons = finish_reasons(outputs)
         self.seen["nan"] += len(nans)
         self.seen["unchecked"] += len(uncounted)
         for req_id, w in writers.items():
@@ -818,12 +911,15 @@ class FaultTrace:
                 assert reasons.get(req_id) == "error", f"{req_id}'s NaN step did not abort it"
             elif req_id in uncounted:
                 fate = "unchecked"
+                self.steps_uncounted.add(w)
                 kv.unchecked.setdefault(key, []).append(w)
             else:
                 fate = "clean"
                 for earlier in kv.unchecked.pop(key, ()):  # a counted step vouches
                     kv.fate[earlier] = "clean"
             kv.fate[w] = fate
+        if self.nixl is not None:
+            self.nixl.check_finished(outputs)  # (the finished ones not retired yet)
         self.ended.update(reasons)
         for req_id in reasons:
             self.finished.add(req_id)
@@ -835,6 +931,10 @@ class FaultTrace:
         self.check_published()
         if self.tier is not None:
             self.tier.check_registered()
+        elif self.storage is not None:
+            self.storage.check(so, writers)
+        elif self.nixl is not None:
+            self.nixl.check_sent()
 
     def sample(self, output: Any, writers: dict[str, Writer], live: dict[str, bool]) -> None:
         """The step's rows under speculative decoding, as the worker returns them: a
@@ -1114,6 +1214,360 @@ class SimpleCpuTier:
         return len(m._kvguard_stored)
 
 
+class SharedStorage:
+    """vLLM's ExampleConnector's workers and its shared storage, played by a trace.
+
+    The workers are kvguard's ``GuardedExampleConnector`` in the worker role, run as
+    vLLM's model runner runs them: each step's connector metadata bound, its real
+    ``start_load_kv`` before the forward and its real ``save_kv_layer`` after the
+    step's writes (one layer, :data:`STORAGE_LAYER`). Their KV tensor carries, per
+    slot, the id of the token prefix and a code for the step that wrote it, so every
+    file on the storage says whose KV it holds; what a load writes lands in the
+    trace's model of the KV slots, and the read checks apply to it.
+
+    vLLM's connector names a folder by the tokens it holds: a prompt's full blocks but
+    the one holding its last token. The prompts here are a few blocks and 2 to 6
+    tokens (:func:`_storage_prompt`): with one token over, vLLM's store (which keeps
+    every full block) and its lookup (which drops the last token first) name different
+    folders. Outputs stay within the prompt's last block (at most 8 tokens), so no
+    request needs a block after its first step, and none is preempted: vLLM 0.32 and
+    0.33 load a resumed request's KV from the folder its prompt and outputs name
+    together, and vLLM's lookup reports a negative hit for a resumed request whose
+    cached blocks reach past its prompt's folder.
+
+    Checked after every output: every folder in place (no ``.kvguard-`` in its name)
+    holds, for exactly the tokens its name covers, KV of steps known clean; every
+    load reads a folder in place, holding the same; a folder whose loading step had
+    NaN is gone; a staged folder whose verdict is in -- a step of its KV failed, or
+    its request left -- is gone after the next output at the latest (kvguard settles
+    the stores before vLLM releases the requests an output finishes, which validates
+    or quarantines their blocks). When the trace ends: no staged folder is left,
+    nothing pending in the connector, and kvguard's record of the tier's copies names
+    folders in place only.
+    """
+
+    def __init__(self, trace: FaultTrace) -> None:
+        self.trace = trace
+        s = trace.s
+        (self.connector,) = [
+            c for c in s._kvguard_connectors() if isinstance(c, GuardedExampleConnector)
+        ]
+        self.path = Path(self.connector._storage_path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        # (Inside a MultiConnector, with the config vLLM gives the child: its storage.)
+        self.worker = GuardedExampleConnector(
+            self.connector._vllm_config, KVConnectorRole.WORKER, s.kv_cache_config
+        )
+        self.kv = torch.zeros(s.kv_cache_config.num_blocks, 1, BLOCK, 2, dtype=torch.int64)
+        """The workers' KV cache: per slot (token prefix id, writer code; 0: none)."""
+        self.writers: list[Writer] = []
+        self.codes: dict[Writer, int] = {}
+        self.names: dict[str, list[int]] = {}
+        """Folder name -> the prefix ids of the tokens it is named by."""
+        for arrivals in trace.arrivals.values():
+            for _, prompt, _ in arrivals:
+                tokens = prompt[: (len(prompt) - 1) // BLOCK * BLOCK]
+                folder = self.worker._generate_foldername_debug(torch.tensor(tokens), [])
+                self.names[os.path.basename(folder)] = _prefix_ids(tokens)
+        self.checked: dict[str, tuple[int, int]] = {}
+        """Folder in place -> (inode, ctime) when it was checked (a new commit differs)."""
+        self.loads: dict[int, list[tuple[str, str]]] = {}
+        """Scheduler output (by id) -> the (folder, request) of each of its loads."""
+        self.staged: dict[str, list[str]] = {}
+        """Staging folder -> the request whose step stored it (or those it could be)."""
+        self.outputs = 0
+        self.verdicts: dict[str, int] = {}
+        """Staging folder -> the output (by index) after which its verdict was in."""
+
+    def meta(self, so: Any) -> Any:
+        meta = so.kv_connector_metadata
+        return meta.metadata[0] if isinstance(meta, MultiKVConnectorMetadata) else meta
+
+    def code(self, slot: Slot) -> list[int]:
+        if slot is None:
+            return [0, 0]
+        code = self.codes.get(slot[1])
+        if code is None:
+            self.writers.append(slot[1])
+            code = self.codes[slot[1]] = len(self.writers)
+        return [slot[0], code]
+
+    def slot(self, row: Sequence[int]) -> Slot:
+        return None if row[1] == 0 else (row[0], self.writers[row[1] - 1])
+
+    def load(self, so: Any) -> None:
+        """Before the forward: the step's metadata bound, and its loads run (each reads a
+        folder in place, holding KV of clean steps for its tokens)."""
+        trace = self.trace
+        meta = self.meta(so)
+        self.worker.bind_connector_metadata(meta)
+        loads = [entry for entry in meta.requests if not entry.is_store]
+        if not loads:
+            return
+        tables = {r: trace.manager.get_block_ids(r)[0] for r in so.num_scheduled_tokens}
+        for entry in loads:
+            folder = self.worker._generate_foldername_debug(entry.token_ids, entry.mm_hashes)
+            self.check_folder(folder, "a load reads")
+            ids = [int(x) // BLOCK for x in entry.slot_mapping[::BLOCK]]
+            (req_id,) = [r for r, table in tables.items() if table[: len(ids)] == ids]
+            self.loads.setdefault(id(so), []).append((folder, req_id))
+        layer = SimpleNamespace(kv_cache=self.kv)
+        self.worker.start_load_kv(
+            SimpleNamespace(
+                no_compile_layers={STORAGE_LAYER: layer}, attn_metadata={STORAGE_LAYER: object()}
+            )
+        )
+        for entry in loads:
+            for x in entry.slot_mapping.tolist():
+                b, offset = divmod(x, BLOCK)
+                trace.kv.slots.setdefault(b, [None] * BLOCK)[offset] = self.slot(
+                    self.kv[b, 0, offset].tolist()
+                )
+        trace.seen["storage_loads"] += len(loads)
+
+    def save(self, so: Any, writers: dict[str, Writer]) -> None:
+        """After the step's writes: its stores (kvguard's worker writes each into its
+        staging folder); the metadata is released."""
+        trace = self.trace
+        for new in so.scheduled_new_reqs:
+            assert new.num_computed_tokens + so.num_scheduled_tokens[new.req_id] >= len(
+                new.prompt_token_ids
+            ), f"{new.req_id}'s prompt does not fit its first step: raise STORAGE_BATCH"
+        stores = [entry for entry in self.meta(so).requests if entry.is_store]
+        for entry in stores:
+            ids = [x // BLOCK for x in entry.slot_mapping[::BLOCK].tolist()]
+            # (Requests whose blocks are all shared -- prefix hits -- store the same.)
+            self.staged[os.path.basename(entry.kvguard_staging)] = [
+                r for r in writers if trace.manager.get_block_ids(r)[0][: len(ids)] == ids
+            ]
+        if stores:
+            blocks = {x // BLOCK for entry in stores for x in entry.slot_mapping.tolist()}
+            for b in sorted(blocks):
+                slots = trace.kv.slots.get(b, [None] * BLOCK)
+                self.kv[b, 0] = torch.tensor([self.code(slot) for slot in slots])
+            self.worker.save_kv_layer(STORAGE_LAYER, self.kv, attn_metadata=object())
+        self.worker.clear_connector_metadata()
+
+    def read(self, folder: str, what: str) -> list[Slot]:
+        """The slots of the folder's one file, as the workers wrote them."""
+        name = os.path.basename(folder)
+        files = os.listdir(folder)
+        assert files == [f"{STORAGE_LAYER}.safetensors"], f"{what} folder {name}: {files}"
+        kv = _load_safetensors(os.path.join(folder, files[0]))["kv_cache"]
+        return [self.slot(row) for row in kv[:, 0].tolist()]
+
+    def check_folder(self, folder: str, what: str) -> bool:
+        """A folder in place holds, for exactly the tokens its name covers, KV of steps
+        known clean. Returns whether it was not checked before as it is now."""
+        name = os.path.basename(folder)
+        ids = self.names.get(name)
+        assert ids is not None, f"{what} folder {name}, which no prompt of the trace names"
+        assert os.path.isdir(folder), f"{what} folder {name}, which is not on the storage"
+        stat = os.stat(folder)
+        key = (stat.st_ino, stat.st_ctime_ns)
+        if self.checked.get(name) == key:
+            return False
+        slots = self.read(folder, what)
+        assert len(slots) == len(ids), (
+            f"{what} folder {name} holding {len(slots)} tokens' KV; its name covers {len(ids)}"
+        )
+        fates = self.trace.kv.fate
+        for p, slot in enumerate(slots):
+            assert slot is not None, f"{what} folder {name}, without KV at {p}"
+            assert slot[0] == ids[p], f"{what} folder {name}, holding another prefix's KV at {p}"
+            fate = fates[slot[1]]
+            assert fate == "clean", f"{what} folder {name}, holding KV of a {fate} step at {p}"
+        self.checked[name] = key
+        return True
+
+    def check(self, so: Any, writers: dict[str, Writer]) -> None:
+        """After the step's output: its failed loads' folders are gone; every folder in
+        place holds KV of clean steps; a staged one goes by the output after its
+        verdict is in."""
+        trace = self.trace
+        for folder, req_id in self.loads.pop(id(so), ()):
+            if trace.kv.fate[writers[req_id]] == "nan":
+                assert not os.path.exists(folder), (
+                    f"{req_id}'s step failed computing on KV loaded from "
+                    f"{os.path.basename(folder)}, which stays on the storage"
+                )
+                trace.seen["storage_failed_loads"] += 1
+        for name in sorted(os.listdir(self.path)):
+            folder = os.path.join(self.path, name)
+            if STAGED not in name:
+                if self.check_folder(folder, "the storage holds"):
+                    trace.seen["storage_stores"] += 1
+                continue
+            staged = {slot[1] for slot in self.read(folder, "the storage stages") if slot}
+            failed = sorted(w for w in staged if trace.kv.failed(w))
+            requests = [trace.s.requests.get(r) for r in self.staged[name]]
+            if failed or all(r is None or r.is_finished() for r in requests):
+                # The verdict is in: its step failed, or its request left (its blocks
+                # validated or quarantined as they were released).
+                since = self.verdicts.setdefault(name, self.outputs)
+                assert since == self.outputs, (
+                    f"staged folder {name} outlives its verdict ({failed or 'clean'}, "
+                    f"request {self.staged[name]}) by {self.outputs - since} output(s)"
+                )
+            # (All its KV clean, its request running: kvguard vouches for a step without
+            # a NaN count by the request's next step scheduled after that output, a step
+            # or so after this model does.)
+        self.outputs += 1
+
+    def check_nothing_left(self) -> int:
+        """The trace ended: no folder staged, nothing pending in the connector, kvguard's
+        record of the tier's copies naming folders in place only. Returns how many
+        hashes it records copies of."""
+        staged = sorted(n for n in os.listdir(self.path) if STAGED in n)
+        assert not staged, f"staged folders left after the trace: {staged}"
+        assert not self.loads
+        c = self.connector
+        left = {
+            "pending": c._kvguard_pending,
+            "new": c._kvguard_new,
+            "loads": c._requests_need_load,
+        }
+        assert not any(left.values()), {k: v for k, v in left.items() if v}
+        for folder in c._kvguard_folders:
+            assert os.path.isdir(folder) and STAGED not in folder, f"{folder} recorded, gone"
+        for folders in c._kvguard_holders.values():
+            assert folders <= set(c._kvguard_folders)
+        core = self.trace.s.kvguard_pool.core
+        for block_hash, tiers in core.snapshot().tier_copies:
+            if STORAGE_TIER in tiers:
+                assert block_hash in c._kvguard_holders, f"a tier copy of no folder: {block_hash!r}"
+        return len(c._kvguard_holders)
+
+
+class NixlHandoff:
+    """NIXL's workers on a prefill instance, played by a trace (vLLM's real
+    NixlConnector scheduler side): every request carries ``do_remote_decode``, so each
+    that ends normally is offered to the connector, which -- if it is handed over --
+    returns transfer parameters for the client and keeps the request's blocks until
+    the workers report the decode instance read them (``finished_sending``). The
+    workers report that one to three outputs after the request finished.
+
+    Checked for each finished request, against the trace's own record of what it
+    injected: it is handed over (its output carries transfer parameters) exactly when
+    it ended normally after steps all counted clean -- each counted clean, or without
+    a count but vouched for by a later step of its own counted clean (kvguard's rule),
+    none with NaN, none in flight; the blocks of a handed-over one hold KV of clean
+    steps for its tokens, and stay held (not freed, not written) until its send is
+    reported, then are freed; a withheld one's blocks are freed at once."""
+
+    def __init__(self, trace: FaultTrace) -> None:
+        self.trace = trace
+        self.settled = 0
+        self.sending: dict[str, tuple[int, list[int]]] = {}
+        """Request handed over -> (the output its send is reported in, by index; its
+        blocks of the full-attention group), until then."""
+        self.reported: set[str] = set()
+
+    def held(self, req_id: str) -> bool:
+        """vLLM keeps the finished request's blocks for the connector."""
+        managers = self.trace.manager.coordinator.single_type_managers
+        return any(req_id in manager.req_to_blocks for manager in managers)
+
+    def output(self, so: Any, nans: dict[str, int]) -> Any:
+        """The step's output, with the sends due reported finished; what the decode
+        instance read is checked first."""
+        index, self.settled = self.settled, self.settled + 1
+        self.reported = {r for r, (due, _) in self.sending.items() if due <= index}
+        for req_id in sorted(self.reported):
+            self.check_handed_kv(req_id, "was read")
+        out = model_output(self.trace.s, so, nans)
+        out.kv_connector_output = KVConnectorOutput(finished_sending=self.reported or None)
+        return out
+
+    def check_handed_kv(self, req_id: str, what: str) -> None:
+        trace = self.trace
+        _, blocks = self.sending[req_id]
+        assert self.held(req_id), f"{req_id} was handed over, but its blocks are freed"
+        assert trace.manager.get_block_ids(req_id)[0] == blocks
+        ids = trace.expected[req_id]
+        for p in range(trace.s.requests[req_id].num_computed_tokens):
+            slot = trace.kv.slot(blocks[p // BLOCK], p % BLOCK)
+            assert slot is not None and slot[0] == ids[p], (
+                f"{req_id}'s KV {what} without its own prefix's KV at {p}"
+            )
+            fate = trace.kv.fate[slot[1]]
+            assert fate == "clean", f"{req_id}'s KV {what} with KV of a {fate} step at {p}"
+
+    def check_finished(self, outputs: dict[int, Any]) -> None:
+        """The requests finished by this output: handed over exactly when clean."""
+        trace = self.trace
+        for eco in outputs.values():
+            for o in eco.outputs:
+                if o.finish_reason is None:
+                    continue
+                req_id, inc = o.request_id, trace.incarnation[o.request_id]
+                steps = [w for w in trace.kv.fate if w[1] == req_id and w[2] == inc]
+                fates = sorted(trace.kv.fate[w] for w in steps)
+                normal = str(o.finish_reason) in ("length", "stop")
+                clean = normal and set(fates) == {"clean"}
+                if not clean:
+                    assert o.kv_transfer_params is None, (
+                        f"{req_id} is handed over, after steps {fates} ({o.finish_reason})"
+                    )
+                    assert not self.held(req_id), f"{req_id}'s blocks are held, not handed over"
+                    trace.seen["withheld"] += normal
+                    continue
+                params = o.kv_transfer_params
+                assert params is not None and params.get("remote_block_ids"), (
+                    f"{req_id} ended after clean, counted steps, and is not handed over"
+                )
+                due = self.settled + trace.rng.randint(0, 2)
+                self.sending[req_id] = (due, trace.manager.get_block_ids(req_id)[0])
+                self.check_handed_kv(req_id, "is handed over")
+                trace.seen["handoffs"] += 1
+                # (A step without a count, vouched for by a later one counted clean.)
+                trace.seen["handoffs_vouched"] += not trace.steps_uncounted.isdisjoint(steps)
+
+    def check_sent(self) -> None:
+        """After an output: the requests reported sent are gone, blocks freed; those
+        not yet keep their blocks."""
+        s = self.trace.s
+        for req_id in self.reported:
+            del self.sending[req_id]
+            assert req_id not in s.requests and not self.held(req_id), (
+                f"{req_id} was reported sent, and vLLM still holds it"
+            )
+        self.reported = set()
+        for req_id in self.sending:
+            assert req_id in s.requests and self.held(req_id), f"{req_id} freed before sent"
+
+
+def _storage_prompt(rng: random.Random, prefixes: list[list[int]]) -> list[int]:
+    """A prompt for the shared storage: 2 to 4 full blocks, a shared prefix's start
+    among them, and 2 to 6 tokens more (:class:`SharedStorage`)."""
+    length = BLOCK * rng.randrange(2, 5) + rng.randrange(2, 7)
+    prompt = rng.choice(prefixes)[: rng.randrange(BLOCK, 2 * BLOCK + 1)]
+    return prompt + [rng.randrange(1000, 50_000) for _ in range(length - len(prompt))]
+
+
+def _storage_config(path: Path, *, multi: bool) -> KVTransferConfig:
+    """kvguard's ExampleConnector on a shared storage at ``path`` (``multi``: inside
+    vLLM's ``MultiConnector``)."""
+    child = {
+        "kv_connector": "GuardedExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_module_path": "kvguard.adapters.vllm.example_connector",
+        "kv_connector_extra_config": {"shared_storage_path": str(path)},
+    }
+    if multi:
+        return KVTransferConfig(
+            kv_connector="MultiConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"connectors": [child]},
+        )
+    return KVTransferConfig(**child)
+
+
+def _load_safetensors(path: str) -> dict[str, Any]:
+    """A safetensors file's tensors (the package is vLLM's, not the lint venv's)."""
+    return importlib.import_module("safetensors.torch").load_file(path)
+
+
 def _simple_cpu_scheduler(
     groups: tuple[str, ...],
     *,
@@ -1335,6 +1789,65 @@ def _simple_cpu_traces(
     assert totals["nan"] > 0 and totals["preempted"] > 0 and totals["aborted"] > 0
     assert totals["stored"] > 0 and totals["loaded"] > 0 and totals["evicted"] > 0
     assert totals["tainted"] > 0 and totals["discarded"] > 0
+
+
+@pytest.mark.parametrize("multi", [False, True], ids=["alone", "multi"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_random_fault_traces_with_the_guarded_example_connector(
+    async_scheduling: bool, multi: bool, tmp_path: Path
+) -> None:
+    """The same traces behind kvguard's ExampleConnector (vLLM's shared-storage
+    connector, gated) on a ``tmp_path`` storage, its workers played by
+    :class:`SharedStorage`: full attention (vLLM's connector stores group 0 only),
+    prefix caching on (kvguard gates the stores by block hashes), a batch that holds
+    every prompt whole (:data:`STORAGE_BATCH`: vLLM's connector stores a prompt from
+    its first step only), and requests that come back to a few prompts, to load them
+    from the storage once the small pool evicted them. A request's first step, which
+    stores or loads, fails more often. Every folder in place holds KV of clean steps
+    for exactly the tokens its name covers; every load brings only such KV (and then
+    passes the read checks); a staged folder outlives its verdict by one output at
+    most (kvguard settles the stores before vLLM releases the requests the output
+    finishes); a folder whose loading step had NaN is deleted; nothing is left
+    staged or pending when the trace ends. No request is preempted: outputs stay
+    within the prompt's last block (see :class:`SharedStorage`), and vLLM preempts for
+    a running request's next block; client aborts release blocks before a verdict.
+
+    The gate mutated, traces fail in every configuration: with ``_verdict`` returning
+    True, or ``_kvguard_fail`` committing instead (a folder in place holds KV of a NaN
+    step); with ``_verdict`` committing what still waits (KV of a step in flight or
+    without a count); with ``_kvguard_fail`` keeping a loaded folder (its loading step
+    failed, it stays); with ``kvguard_settle_stores`` doing nothing (a staged folder
+    outlives its verdict)."""
+    totals = _run_traces(8, ("full",), async_scheduling, storage=tmp_path, multi=multi)
+    assert totals["nan"] > 0 and totals["unchecked"] > 0 and totals["aborted"] > 0
+    assert totals["hit_tokens"] > 0 and totals["storage_stores"] > 0
+    assert totals["storage_loads"] > 0 and totals["storage_failed_loads"] > 0
+    assert totals["discarded"] > 0 and totals["purged"] > 0
+
+
+@pytest.mark.skipif(not HAVE_NIXL, reason="NIXL's scheduler side imports nixl (nixl-cu12)")
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("groups", [("full",), ("full", "sliding")], ids=["full", "full+sliding"])
+def test_random_fault_traces_through_the_request_finished_gate_on_nixl(
+    groups: tuple[str, ...], async_scheduling: bool
+) -> None:
+    """The same traces on a prefill instance behind vLLM's real NixlConnector (its
+    scheduler side; :class:`NixlHandoff` plays the workers), every request carrying
+    ``do_remote_decode`` and asking 1 to 15 tokens, steps failing or uncounted more
+    often: a request is handed over exactly when it ended normally after steps all
+    counted clean, by the trace's own record of what it injected (no over-withholding
+    either); what it hands over is KV of clean steps, held until its send is
+    reported, then freed; a withheld request's blocks are freed at once.
+
+    The gate mutated, traces fail in every configuration: with
+    ``withhold_from_connector`` calling vLLM's ``_connector_finished`` through (a
+    request whose last step had no NaN count is handed over); with the guarded
+    scheduler withholding every request (a clean one is not handed over); with its
+    ``_connector_finished`` freeing the blocks of a handed-over request at once."""
+    totals = _run_traces(6, groups, async_scheduling, nixl=True)
+    assert totals["nan"] > 0 and totals["unchecked"] > 0 and totals["preempted"] > 0
+    assert totals["aborted"] > 0 and totals["handoffs"] > 0 and totals["withheld"] > 0
+    assert totals["handoffs_vouched"] > 0
 
 
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
