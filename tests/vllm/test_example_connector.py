@@ -19,12 +19,14 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
 import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 from vllm.config import KVTransferConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (  # noqa: E402
     ExampleConnector,
 )
+from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvguard.adapters.vllm import plugin  # noqa: E402
 from kvguard.adapters.vllm.config import GuardConfigError  # noqa: E402
@@ -217,3 +219,45 @@ def test_the_plugin_substitutes_the_guarded_connector(storage: Path) -> None:
     assert KVConnectorFactory.get_connector_class(stock) is GuardedExampleConnector
     e = Engine(storage, guarded=False)  # vLLM's name, through the plugin's factory
     assert type(e.s.connector) is GuardedExampleConnector
+
+
+def test_a_store_whose_request_left_before_its_verdict_is_never_committed(
+    storage: Path,
+) -> None:
+    """A's step comes back without a NaN count (its store waits), then its client
+    aborts it; b, with the same prompt, gets the same block ids and validates them
+    under the same hashes. A's staged KV must not be what goes in place (the blocks'
+    generation in kvguard's pool tells that they were released in between)."""
+    e = Engine(storage)
+    s = e.s
+    s.add_request(make_request("a", PROMPT, max_tokens=3))
+    so = s.schedule()
+    e.worker.bind_connector_metadata(so.kv_connector_metadata)
+    e.kv.fill_(1.0)  # a's KV, never validated
+    e.worker.save_kv_layer(LAYER, e.kv, attn_metadata=object())
+    e.worker.clear_connector_metadata()
+    mo = model_output(s, so)
+    del mo.num_nans_in_logits["a"]
+    s.update_from_output(so, mo)
+    s.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    s.add_request(make_request("b", PROMPT, max_tokens=3))
+    so = s.schedule()
+    e.worker.bind_connector_metadata(so.kv_connector_metadata)
+    e.kv.fill_(2.0)  # b's KV, clean
+    e.worker.save_kv_layer(LAYER, e.kv, attn_metadata=object())
+    e.worker.clear_connector_metadata()
+    s.update_from_output(so, model_output(s, so))
+    (folder,) = [name for name in _listing(storage) if ".kvguard-" not in name]
+    kv = load_file(str(storage / folder / f"{LAYER}.safetensors"))["kv_cache"]
+    assert kv.unique().tolist() == [2.0], "the storage serves a's never-validated KV"
+
+
+def test_a_negative_external_hit_counts_as_none(storage: Path) -> None:
+    """vLLM's count is the folder's tokens minus the local hit; a local hit past the
+    folder would make it negative, and the scheduler recompute inside published
+    blocks."""
+    e = Engine(storage)
+    e.run("a", PROMPT)  # a folder of three blocks
+    request = make_request("b", PROMPT)  # (a local hit of four blocks: a resumed request)
+    tokens, _ = e.s.connector.get_num_new_matched_tokens(request, 4 * BLOCK)
+    assert tokens == 0

@@ -79,6 +79,9 @@ class _Pending:
     staging: str | None
     block_ids: tuple[int, ...]
     hashes: tuple[BlockHash, ...]
+    generations: tuple[int, ...]
+    """Each block's generation in kvguard's pool when the entry was made: a block
+    released (and perhaps handed to another request) since has another."""
 
 
 class GuardedExampleConnector(ExampleConnector):
@@ -154,6 +157,15 @@ class GuardedExampleConnector(ExampleConnector):
 
     # ------------------------------------------------------------------ scheduler side
 
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        # vLLM's count is the folder's tokens minus the local prefix hit: negative when
+        # the hit reaches past the folder, which would make the scheduler recompute
+        # tokens inside blocks the prefix cache already publishes.
+        tokens, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        return (tokens if tokens is None else max(tokens, 0)), load_async
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         super().update_state_after_alloc(request, blocks, num_external_tokens)
         self._kvguard_new[request.request_id] = request
@@ -200,7 +212,9 @@ class GuardedExampleConnector(ExampleConnector):
         staging = None
         if entry.is_store:
             staging = entry.kvguard_staging = f"{folder}{next(self._kvguard_names)}"
-        return _Pending(request.request_id, folder, staging, block_ids, hashes)
+        records = self._kvguard_pool.blocks if self._kvguard_pool is not None else ()
+        generations = tuple(records[b].generation for b in block_ids)
+        return _Pending(request.request_id, folder, staging, block_ids, hashes, generations)
 
     def kvguard_settle_stores(self) -> None:
         """After an output was processed: commit what validated, delete what failed."""
@@ -230,6 +244,8 @@ class GuardedExampleConnector(ExampleConnector):
                 self._kvguard_discard(item.staging)
                 return
             self.kvguard_counters["storage_stores_committed"] += 1
+        elif not os.path.isdir(item.folder):
+            return  # a loaded folder another request's failed step deleted meanwhile
         core = pool.core
         for block_id in item.block_ids:
             try:
@@ -288,8 +304,12 @@ def _verdict(records: Sequence[Any], item: _Pending) -> bool | None:
     while one is still being written (its step not validated yet); False otherwise
     (quarantined, released, or holding other tokens now)."""
     verdict: bool | None = True
-    for block_id, block_hash in zip(item.block_ids, item.hashes, strict=True):
+    for block_id, block_hash, generation in zip(
+        item.block_ids, item.hashes, item.generations, strict=True
+    ):
         block = records[block_id]
+        if block.generation != generation:
+            return False  # released since (quarantined, or reused for another request)
         if block.state is BlockState.WRITTEN:
             verdict = None
         elif block.state not in STORABLE_STATES or block.block_hash != block_hash:
