@@ -185,7 +185,7 @@ class GuardedExampleConnector(ExampleConnector):
         kept = []
         for entry in meta.requests:
             request = _take_match(storing if entry.is_store else loads, entry.token_ids.tolist())
-            pending = None if request is None else self._kvguard_pend(request, entry)
+            pending = None if request is None else self._kvguard_pend(pool, request, entry)
             if pending is not None:
                 self._kvguard_pending.append(pending)
             elif entry.is_store:
@@ -198,7 +198,7 @@ class GuardedExampleConnector(ExampleConnector):
         meta.requests = kept
         return meta
 
-    def _kvguard_pend(self, request: Any, entry: Any) -> _Pending | None:
+    def _kvguard_pend(self, pool: GuardedBlockPool, request: Any, entry: Any) -> _Pending | None:
         """The pending record of a metadata entry (a store gets its staging folder), or
         None if the request has no block hash for a block the entry covers."""
         block_size = self._block_size
@@ -212,8 +212,7 @@ class GuardedExampleConnector(ExampleConnector):
         staging = None
         if entry.is_store:
             staging = entry.kvguard_staging = f"{folder}{next(self._kvguard_names)}"
-        records = self._kvguard_pool.blocks if self._kvguard_pool is not None else ()
-        generations = tuple(records[b].generation for b in block_ids)
+        generations = tuple(pool.blocks[b].generation for b in block_ids)
         return _Pending(request.request_id, folder, staging, block_ids, hashes, generations)
 
     def kvguard_settle_stores(self) -> None:

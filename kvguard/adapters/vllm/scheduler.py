@@ -109,6 +109,11 @@ NAN_SETTING = "VLLM_COMPUTE_NANS_IN_LOGITS"
 _NONE: frozenset[str] = frozenset()
 
 
+def _vllm_config_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The ``VllmConfig`` vLLM builds a scheduler with (its first argument)."""
+    return kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
+
+
 def is_pooling_model(vllm_config: Any) -> bool:
     """Whether the engine runs a pooling model (embedding, reranking, ...): its steps
     sample nothing and vLLM reports no NaN counts for them."""
@@ -188,7 +193,7 @@ class _GuardMixin:
         # The factory: the guard on, this class; off, vLLM's own scheduler, built with
         # the same arguments (not an instance of this class, so Python does not call
         # __init__ below on it).
-        vllm_config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
+        vllm_config = _vllm_config_of(args, kwargs)
         if guard_for(vllm_config).enabled:
             return super().__new__(cls)
         scheduler = cls._vllm_scheduler(*args, **kwargs)
@@ -203,7 +208,7 @@ class _GuardMixin:
         return scheduler
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        vllm_config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
+        vllm_config = _vllm_config_of(args, kwargs)
         # Before vLLM builds the connectors: a refused one may not even import.
         refuse_ungated(vllm_config.kv_transfer_config)
         super().__init__(*args, **kwargs)
