@@ -87,7 +87,9 @@ class RequestAbortedError(PoolMisuseError):
 
 
 class StaleHitError(PoolMisuseError):
-    """A prefix hit was used after one of its blocks was evicted or invalidated."""
+    """A prefix hit that is not good for this allocation: one of its blocks was evicted
+    or invalidated since the lookup, or it was not looked up for this request as it is
+    open now (another request's hit, an earlier request's under the same id, a copy)."""
 
 
 class NotStorableError(PoolMisuseError):

@@ -165,7 +165,7 @@ class RequestSteps:
                 f"hit must be the PrefixHit lookup() returned, or None; got {arguments.got(hit)}"
             )
         if hit.request_id != rec.request_id:
-            raise PoolMisuseError(
+            raise StaleHitError(
                 f"prefix hit belongs to request {hit.request_id!r}, not {rec.request_id!r}; "
                 f"pass the hit lookup({rec.request_id!r}) returned"
             )

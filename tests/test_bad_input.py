@@ -105,7 +105,7 @@ def cases(w: World) -> list[tuple[str, Callable[[], Any], type[KvGuardError]]]:
         (
             "hit of another request",
             lambda: p.allocate("pending", 12, hit=replace(w.stale_hit, request_id="pending")),
-            PoolMisuseError,
+            StaleHitError,
         ),
         ("stale hit", lambda: p.allocate("fresh", 4, hit=w.stale_hit), StaleHitError),
         (

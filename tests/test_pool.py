@@ -14,6 +14,7 @@ from kvguard import (
     RequestAborted,
     RollbackError,
     SlotRange,
+    StaleHitError,
     StepOutcome,
     ZeroPolicy,
     default_block_hasher,
@@ -565,3 +566,47 @@ def test_cheap_accessors_agree_with_block_info() -> None:
         assert pool.block_state(block_id) is info.state
         assert pool.block_hash(block_id) == info.block_hash
     assert pool.block_hash(pool.block_table("a")[0]) == hash_block_tokens(PROMPT, 4)[0]
+
+
+def test_a_hit_looked_up_for_another_request_is_a_stale_hit() -> None:
+    pool = make_pool(16, 4)
+    publish(pool, "a", PROMPT)
+    pool.add_request("b", PROMPT)
+    pool.add_request("c", PROMPT)
+    hit_of_b = pool.lookup("b", max_tokens=15)
+    before = pool.snapshot()
+    with pytest.raises(StaleHitError, match="belongs to request 'b', not 'c'"):
+        pool.allocate("c", 16, hit=hit_of_b)
+    with pytest.raises(StaleHitError):
+        pool.can_allocate("c", 16, hit=hit_of_b)
+    assert pool.snapshot() == before
+    pool.allocate("b", 16, hit=hit_of_b)  # still good for the request it was looked up for
+
+
+def test_repr_names_the_size_and_where_the_blocks_are() -> None:
+    pool = make_pool(16, 4)
+    assert repr(pool) == (
+        "<BlockPool num_blocks=16 block_size=4 held=0 allocatable=16 "
+        "(empty=16 quarantined=0 evictable=0) cached=0 requests=0>"
+    )
+    publish(pool, "a", PROMPT)  # 4 blocks, published
+    pool.free("a")  # ... and evictable
+    prefill(pool, "b", [9] * 8)  # 2 blocks, written
+    pool.fail_step("b")
+    prefill(pool, "c", [7] * 8)
+    pool.free("b")  # 2 quarantined
+    stats = pool.stats()
+    assert stats.num_free == 16 - 2 and stats.num_evictable == 4
+    assert repr(pool) == (
+        "<BlockPool num_blocks=16 block_size=4 held=2 allocatable=14 "
+        "(empty=8 quarantined=2 evictable=4) cached=4 requests=1>"
+    )
+
+
+def test_repr_of_a_pool_whose_construction_failed_does_not_raise() -> None:
+    class Half(BlockPool):
+        def __init__(self) -> None:
+            raise RuntimeError("before the pool was built")
+
+    half = Half.__new__(Half)
+    assert repr(half) == "<Half, not built>"
