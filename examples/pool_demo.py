@@ -58,7 +58,7 @@ def main() -> None:
     quarantined = stats.blocks_by_state[BlockState.QUARANTINED]
     print(
         f"done: {stats.counters.requests_aborted} abort, "
-        f"{stats.counters.withheld_publications} publications withheld until validation, "
+        f"{stats.counters.deferred_publications} publications deferred until validation, "
         f"{quarantined} blocks quarantined, {stats.counters.slots_zeroed} slots wiped, "
         f"prefix hit rate {stats.prefix_hit_rate:.0%}"
     )

@@ -56,7 +56,7 @@ typedef struct {
     Py_ssize_t off_block_id, off_state, off_ref_cnt, off_block_hash, off_parent_hash,
         off_generation, off_external_refs, off_size, off_first,
         off_num_evictable, off_evictable, off_blocks_evicted, off_blocks_zeroed, off_blocks_quarantined,
-        off_blocks_published, off_withheld_publications;
+        off_blocks_published, off_deferred_publications;
 } FastPath;
 
 #define FIELD(obj, off) (*(PyObject **)((char *)(obj) + (off)))
@@ -354,8 +354,8 @@ FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
         (self->off_num_evictable = slot_offset(queue_type, "num_evictable")) < 0 ||
         (self->off_evictable = slot_offset(queue_type, "evictable")) < 0 ||
         (self->off_blocks_published = slot_offset(counters_type, "blocks_published")) < 0 ||
-        (self->off_withheld_publications =
-             slot_offset(counters_type, "withheld_publications")) < 0 ||
+        (self->off_deferred_publications =
+             slot_offset(counters_type, "deferred_publications")) < 0 ||
         (self->off_blocks_evicted =
              slot_offset((PyObject *)Py_TYPE(counters), "blocks_evicted")) < 0 ||
         (self->off_blocks_zeroed =
@@ -952,7 +952,7 @@ FastPath_validate(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
         if (failed)
             goto error;
     }
-    if ((held && bump_field(self->counters, self->off_withheld_publications, held) < 0) ||
+    if ((held && bump_field(self->counters, self->off_deferred_publications, held) < 0) ||
         (PyList_GET_SIZE(published) &&
          bump_field(self->counters, self->off_blocks_published, PyList_GET_SIZE(published)) < 0))
         goto error;

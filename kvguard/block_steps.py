@@ -111,7 +111,7 @@ class BlockSteps:
         ``publish`` gives for its id -- ``(hash, parent hash, owner)`` that the caller
         held back until this result, exactly as if it had called ``publish_block``
         before this call (entries for ids not validated here are ignored). Both count
-        as withheld publications.
+        as deferred publications.
 
         Runtime: one checking pass and one applying pass over the ids; one result
         object per call (callers batch a whole step's blocks into one call).

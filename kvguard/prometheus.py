@@ -8,7 +8,7 @@
 
 Gauges: blocks per state, free/evictable blocks, open requests, queue lengths.
 Counters: every cumulative counter of :class:`kvguard.Counters` (aborts, quarantined
-and zeroed blocks, withheld publications, dropped acknowledgements, ...).
+and zeroed blocks, deferred publications, dropped acknowledgements, ...).
 """
 
 from __future__ import annotations

@@ -297,7 +297,7 @@ class RequestSteps:
         kernel.write(rec.blocks, start // size, (end - 1) // size)
         if kernel.enable_caching:
             # Blocks this step fills: vLLM 0.33 would publish them now, unvalidated.
-            kernel.counters.withheld_publications += end // size - start // size
+            kernel.counters.deferred_publications += end // size - start // size
         rec.num_written = end
         rec.pending.append(end)
         return TokenRange(start, end)

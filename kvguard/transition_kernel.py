@@ -743,7 +743,7 @@ class TransitionKernel:
             if events is not None:
                 events.append(BlockStored(owner, (block_hash,), (block_id,), parent_hash))
         if num_held:
-            self.counters.withheld_publications += num_held
+            self.counters.deferred_publications += num_held
         if published:
             self.counters.blocks_published += len(published)
         return block_ids, published, duplicates
@@ -794,7 +794,7 @@ class TransitionKernel:
             return PublishOutcome.DUPLICATE
         if state in (_ALLOCATED, _WRITTEN) and block.ref_cnt:
             self.deferred[block_id] = publication
-            self.counters.withheld_publications += 1
+            self.counters.deferred_publications += 1
             return PublishOutcome.DEFERRED
         raise IllegalTransitionError(block_id, state, _PUBLISH)
 

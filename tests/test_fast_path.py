@@ -742,7 +742,7 @@ def test_validate_with_duplicate_hash(pair_of: Callable[..., Pair], record_event
             (S.VALIDATED, H1, None),
         ]
         counters = pool.stats().counters
-        assert (counters.blocks_published, counters.withheld_publications) == (2, 4)
+        assert (counters.blocks_published, counters.deferred_publications) == (2, 4)
 
 
 @requires_speedups

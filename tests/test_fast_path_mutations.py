@@ -147,7 +147,7 @@ def test_validate_forgets_the_deferred_publications_it_carries_out(
         ]
         assert dict(pool.prefix_index) == {H0: a, H2: b}
         counters = pool.stats().counters
-        assert (counters.blocks_published, counters.withheld_publications) == (2, 3)
+        assert (counters.blocks_published, counters.deferred_publications) == (2, 3)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["python", "C"])

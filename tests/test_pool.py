@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvguard import (
@@ -10,6 +12,7 @@ from kvguard import (
     BlockRemoved,
     BlockState,
     BlockStored,
+    Counters,
     OutOfBlocksError,
     RequestAborted,
     RollbackError,
@@ -110,7 +113,7 @@ def test_events_are_emitted_at_validation_only() -> None:
     pool = make_pool()
     prefill(pool, "a", PROMPT)
     assert pool.take_events() == []
-    assert pool.stats().counters.withheld_publications == 4
+    assert pool.stats().counters.deferred_publications == 4
     pool.validate_step("a")
     (stored,) = pool.take_events()
     assert isinstance(stored, BlockStored)
@@ -610,3 +613,31 @@ def test_repr_of_a_pool_whose_construction_failed_does_not_raise() -> None:
 
     half = Half.__new__(Half)
     assert repr(half) == "<Half, not built>"
+
+
+def test_deferred_publications_count_what_waited_for_validation() -> None:
+    pool = make_pool(16, 4)
+    prefill(pool, "a", PROMPT[:10])  # fills 2 blocks: their publication waits
+    assert pool.counters().deferred_publications == 2
+    assert pool.counters().blocks_published == 0
+    pool.validate_step("a")
+    assert pool.counters().blocks_published == 2
+
+
+def test_the_old_counter_name_reads_the_new_one_with_a_deprecation_warning() -> None:
+    counters = Counters(deferred_publications=3)
+    with pytest.warns(DeprecationWarning, match="deferred_publications"):
+        assert counters.withheld_publications == 3
+    with pytest.raises(AttributeError):
+        counters.withheld_publications = 4  # type: ignore[misc]  # read-only
+    assert "withheld_publications" not in {f.name for f in dataclasses.fields(Counters)}
+
+
+def test_num_free_counts_evictable_blocks_that_blocks_by_state_free_does_not() -> None:
+    pool = make_pool(16, 4)
+    publish(pool, "a", PROMPT)
+    pool.free("a")  # 4 PUBLISHED blocks, evictable
+    stats = pool.stats()
+    assert stats.num_free == 16 == pool.get_num_free_blocks()
+    assert stats.num_evictable == 4
+    assert stats.blocks_by_state[S.FREE] == 12

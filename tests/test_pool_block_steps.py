@@ -44,7 +44,7 @@ def test_publication_waits_for_validation() -> None:
     assert pool.cached_block_id(H1) == b
     assert _state(pool, b) is BlockState.PUBLISHED
     assert pool.take_events() == [BlockStored("r1", (H1,), (b,), None)]
-    assert pool.stats().counters.withheld_publications == 1
+    assert pool.stats().counters.deferred_publications == 1
 
 
 def test_two_steps_in_flight_validate_in_order() -> None:
@@ -292,7 +292,7 @@ def test_validate_with_held_publications_publishes_after_validation() -> None:
     assert pool.cached_block_id(H1) == a and pool.cached_block_id(H2) == b
     assert _state(pool, c) is BlockState.WRITTEN  # its entry is ignored: not validated here
     assert pool.block_hash(c) is None
-    assert pool.stats().counters.withheld_publications == 2
+    assert pool.stats().counters.deferred_publications == 2
     events = [e for e in pool.take_events() if isinstance(e, BlockStored)]
     assert [(e.request_id, e.block_ids, e.parent_hash) for e in events] == [
         ("r1", (a,), None),

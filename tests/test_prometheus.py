@@ -20,7 +20,7 @@ def test_collector_exposes_states_and_counters() -> None:
     assert get("kvguard_blocks", {"engine": "e0", "state": "quarantined"}) == 2
     assert get("kvguard_blocks", {"engine": "e0", "state": "free"}) == 6
     assert get("kvguard_requests_aborted_total", {"engine": "e0"}) == 1
-    assert get("kvguard_withheld_publications_total", {"engine": "e0"}) == 2
+    assert get("kvguard_deferred_publications_total", {"engine": "e0"}) == 2
     assert get("kvguard_free_blocks", {"engine": "e0"}) == 6
     text = prometheus_client.generate_latest(registry).decode()
     assert "kvguard_dropped_acks_total" in text

@@ -150,3 +150,47 @@ def test_the_settings_are_read_only() -> None:
     for name in ("num_blocks", "block_size", "enable_caching", "zero_policy", "record_events"):
         with pytest.raises(AttributeError):
             setattr(pool, name, getattr(pool, name))
+
+
+def _table_names(doc: str, header: str) -> set[str]:
+    """The backquoted names in the first column of the table headed ``| <header> |``."""
+    table = doc.split(f"| {header} |", 1)[1].split("\n\n", 1)[0]
+    cells = [line.split("|")[1] for line in table.splitlines()[2:] if line.startswith("|")]
+    return {n for cell in cells for n in re.findall(r"`(\w+)`", cell)}
+
+
+def _attribute_docstrings(cls: type) -> set[str]:
+    """The fields of ``cls`` (in its module's source) followed by a docstring."""
+    import ast
+    import inspect
+    import itertools
+
+    node = ast.parse(inspect.getsource(cls)).body[0]
+    assert isinstance(node, ast.ClassDef)
+    body = node.body
+    return {
+        stmt.target.id
+        for stmt, after in itertools.pairwise(body)
+        if isinstance(stmt, ast.AnnAssign)
+        and isinstance(stmt.target, ast.Name)
+        and isinstance(after, ast.Expr)
+        and isinstance(after.value, ast.Constant)
+    }
+
+
+def test_every_counter_and_stats_field_is_documented() -> None:
+    import dataclasses
+
+    doc = (ROOT / "docs" / "api.md").read_text()
+    counters = {f.name for f in dataclasses.fields(kvguard.Counters)}
+    assert _table_names(doc, "`Counters` field") == counters
+    assert _attribute_docstrings(kvguard.Counters) == counters
+    stats = {f.name for f in dataclasses.fields(kvguard.PoolStats)}
+    properties = {"usage", "prefix_hit_rate"}
+    assert _table_names(doc, "`PoolStats` field") == stats | properties
+    # The settings and the nested counters explain themselves; the counts do not.
+    assert _attribute_docstrings(kvguard.PoolStats) == stats - {
+        "num_blocks",
+        "block_size",
+        "counters",
+    }

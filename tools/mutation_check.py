@@ -409,7 +409,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     _c(
         "C51",
-        "validate: withheld_publications counter not bumped",
+        "validate: deferred_publications counter not bumped",
         "            held++;\n",
         "",
     ),

@@ -17,7 +17,7 @@ def _sample(name: str, label: str) -> float:
     return value
 
 
-def test_aborts_quarantine_zeroing_and_withheld_publications_are_exported() -> None:
+def test_aborts_quarantine_zeroing_and_deferred_publications_are_exported() -> None:
     s = make_scheduler(max_num_batched_tokens=BLOCK)
     label = s.kvguard_metrics_label
     assert label is not None
@@ -30,7 +30,7 @@ def test_aborts_quarantine_zeroing_and_withheld_publications_are_exported() -> N
     assert _sample("kvguard_vllm_requests_aborted_total", label) == 1
     assert _sample("kvguard_blocks_quarantined_total", label) == 1
     assert _sample("kvguard_vllm_blocks_zeroed_total", label) == 1
-    assert _sample("kvguard_withheld_publications_total", label) >= 2
+    assert _sample("kvguard_deferred_publications_total", label) >= 2
     assert _sample("kvguard_dropped_acks_total", label) == 0
     assert s.kvguard_stats()["requests_aborted"] == 1
 

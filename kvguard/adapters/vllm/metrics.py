@@ -9,7 +9,7 @@ exports every live guarded scheduler (label ``kvguard_scheduler``), read at scra
 * ``kvguard_vllm_requests_aborted_total`` and the other :class:`GuardMetrics` counters;
 * kvguard's pool metrics (:class:`kvguard.prometheus.PoolCollector`): blocks per state,
   ``kvguard_blocks_quarantined_total``, ``kvguard_blocks_zeroed_total``,
-  ``kvguard_withheld_publications_total``, ``kvguard_dropped_acks_total``, ...;
+  ``kvguard_deferred_publications_total``, ``kvguard_dropped_acks_total``, ...;
 * the guarded offloading connector's counters (summed over a ``MultiConnector``'s
   children): ``kvguard_vllm_offload_store_jobs_total``, ...
 """
@@ -283,7 +283,7 @@ _FRONT_END_HELP = {
     **_HELP,
     **SERVED_CONNECTOR_HELP,
     "blocks_quarantined": "Blocks quarantined (written by a failed or never-validated step)",
-    "withheld_publications": "Full blocks kept out of the prefix cache until their step validated",
+    "deferred_publications": "Full blocks kept out of the prefix cache until their step validated",
     "dropped_acks": "Tier store acknowledgements dropped (block quarantined or reused meanwhile)",
     "blocks_published": "Blocks published to the prefix cache after validation",
     "stores_started": "Tier stores started for validated blocks",

@@ -993,7 +993,7 @@ class _GuardMixin:
         out = self.kvguard_metrics.as_dict()
         counters = self.kvguard_pool.core.counters()  # (stats() would walk every block)
         out["blocks_quarantined"] = counters.blocks_quarantined
-        out["withheld_publications"] = counters.withheld_publications
+        out["deferred_publications"] = counters.deferred_publications
         out["dropped_acks"] = counters.dropped_acks
         out["blocks_published"] = counters.blocks_published
         out["stores_started"] = counters.stores_started
