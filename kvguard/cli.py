@@ -1,8 +1,9 @@
 """The ``kvguard`` command line.
 
 ``kvguard simulate`` runs the fault-injection simulator (needs the ``sim`` extra:
-``pip install 'kvguard[sim]'``). The simulator and torch are imported only inside the
-subcommand, so ``kvguard --help`` works with the core package alone.
+:data:`SIM_INSTALL`). The simulator and torch are imported only inside the subcommand,
+so ``kvguard --help`` and ``kvguard --version`` work with the core package alone.
+``python -m kvguard`` is the same command.
 
 Errors are one line on stderr, never a traceback (``KVGUARD_TRACEBACK=1`` shows the
 traceback of a crash); the exit status says which kind of failure it was.
@@ -17,6 +18,8 @@ import tempfile
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
+from kvguard import __version__
+
 EXIT_OK = 0
 EXIT_ESCAPES = 1
 """A kvguard policy let corrupt KV reach a request: the finding the simulator exists for."""
@@ -29,6 +32,15 @@ EXIT_CRASH = 4
 EXIT_INTERRUPTED = 130
 """Stopped by Ctrl-C (128 + SIGINT, as shells report it); no report was written."""
 TRACEBACK_ENV = "KVGUARD_TRACEBACK"
+SIM_INSTALL = "pip install torch==2.13.0 'kvguard[sim]'"
+"""How to install the ``sim`` extra: torch pinned, since the extra's ``torch>=2.4``
+alone would let pip pull the newest release, a multi-GB CUDA build."""
+DEFAULT_RUN_TIME = "about 15 s on an idle CPU core"
+"""How long the default scenario takes (measured: 15.5 s of CPU time, one core busy);
+docs/simulator.md says the same."""
+STARTED = "kvguard simulate: running"
+"""How the line on stderr that says the run is under way starts (Ctrl-C from then on
+stops it with :data:`EXIT_INTERRUPTED`)."""
 
 EXIT_CODES_HELP = (
     f"exit status: {EXIT_OK} ok; {EXIT_ESCAPES} a kvguard policy let corruption escape; "
@@ -48,13 +60,18 @@ def _fail(message: str) -> None:
     print(f"kvguard simulate: {message}", file=sys.stderr)
 
 
-def _count(minimum: int) -> Callable[[str], int]:
+# Every option's type raises ArgumentTypeError, whose message argparse prints after the
+# option's name; a bare ValueError would print the parser function's own name instead
+# ("invalid _rate value").
+
+
+def _integer(minimum: int | None = None) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
+        if minimum is not None and value < minimum:
             raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
         return value
 
@@ -67,9 +84,14 @@ _SIM_SCENARIOS = ("default", "ci")
 
 
 def _rate(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")  # refused below, with the same message
     if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"a fault rate is in [0, 1], got {text}")
+        raise argparse.ArgumentTypeError(
+            f"a fault rate is a number from 0 to 1 (0.2: one request in five), got {text!r}"
+        )
     return value
 
 
@@ -107,8 +129,8 @@ def _add_simulate(sub: argparse._SubParsersAction[_Parser]) -> None:
         "--scenario",
         choices=_SIM_SCENARIOS,
         default="default",
-        help="named preset: 'default' (the README's, under a minute on 2 CPU cores) or "
-        "'ci' (a smaller one for tests) (default: default)",
+        help=f"named preset: 'default' (the README's: {DEFAULT_RUN_TIME}) or 'ci' (a smaller "
+        "one for tests) (default: default)",
     )
     p.add_argument(
         "--policies",
@@ -140,23 +162,26 @@ def _add_simulate(sub: argparse._SubParsersAction[_Parser]) -> None:
         help="comma-separated fault rates for the plot (default: the scenario's; '' for none)",
     )
     p.add_argument(
-        "--seed", type=int, default=None, help="workload and fault seed (default: the scenario's)"
+        "--seed",
+        type=_integer(),
+        default=None,
+        help="workload and fault seed (default: the scenario's)",
     )
     p.add_argument(
         "--requests",
-        type=_count(1),
+        type=_integer(1),
         default=None,
         help="number of requests (default: the scenario's)",
     )
     p.add_argument(
         "--num-blocks",
-        type=_count(1),
+        type=_integer(1),
         default=None,
         help="GPU KV blocks in the pool (default: the scenario's)",
     )
     p.add_argument(
         "--tier-blocks",
-        type=_count(0),
+        type=_integer(0),
         default=None,
         help="CPU offload tier capacity in blocks, 0 for none (default: the scenario's)",
     )
@@ -205,11 +230,7 @@ def _simulate(args: argparse.Namespace) -> int:
             write_json,
         )
     except ImportError as exc:
-        print(
-            f"kvguard simulate needs the 'sim' extra ({exc.name} is missing): "
-            "pip install 'kvguard[sim]'",
-            file=sys.stderr,
-        )
+        _fail(f"needs the 'sim' extra ({exc.name} is missing): {SIM_INSTALL}")
         return EXIT_MISSING_DEPS
     scenario = SCENARIOS[args.scenario].with_overrides(
         fault_rate=args.fault_rate,
@@ -240,6 +261,14 @@ def _simulate(args: argparse.Namespace) -> int:
     policies = [POLICIES[name] for name in args.policies]
     progress = Progress(scenario, len(policies), enabled=not args.no_progress)
     try:
+        # Inside the try: from this line on, Ctrl-C ends the run with EXIT_INTERRUPTED
+        # (tests wait for it before they send SIGINT).
+        print(
+            f"{STARTED} scenario {scenario.name!r}: {progress.total} runs of "
+            f"{scenario.num_requests} requests each; Ctrl-C stops it",
+            file=sys.stderr,
+            flush=True,
+        )
         with progress:
             report = simulate(
                 scenario,
@@ -299,10 +328,14 @@ def _available_memory() -> int | None:
 def _unwritable(out: str) -> str | None:
     """Why the report cannot be written to directory ``out`` (None: it can), found
     before the run by creating it and a scratch file in it."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        return "it is a file, not a directory; give a directory (created if missing)"
     try:
         os.makedirs(out, exist_ok=True)
         with tempfile.TemporaryFile(dir=out):
             pass
+    except NotADirectoryError:
+        return "part of its path is a file, not a directory; give a directory"
     except OSError as exc:
         return exc.strerror or str(exc)
     return None
@@ -314,6 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="kvguard: a KV-cache block pool that shares or offloads KV only after "
         "it was validated.",
     )
+    parser.add_argument("--version", action="version", version=f"kvguard {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_simulate(sub)
     return parser
