@@ -30,7 +30,7 @@ def main() -> None:
     prompt_b = system_prompt + [4, 5]
     pool.add_request("B", prompt_b)
     hit = pool.lookup("B", max_tokens=len(prompt_b) - 1)
-    print("   B's prefix hit:", hit.num_tokens, "tokens (vLLM 0.33 would hit 64)")
+    print("   B's prefix hit:", hit.num_tokens, "tokens (vLLM 0.32-0.34 would hit 64)")
 
     print("step 2: A's logits were clean -> its full blocks are published")
     pool.validate_step("A")

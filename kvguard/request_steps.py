@@ -296,7 +296,7 @@ class RequestSteps:
         kernel = self._kernel
         kernel.write(rec.blocks, start // size, (end - 1) // size)
         if kernel.enable_caching:
-            # Blocks this step fills: vLLM 0.33 would publish them now, unvalidated.
+            # Blocks this step fills: vLLM (0.32 to 0.34) would publish them now, unvalidated.
             kernel.counters.deferred_publications += end // size - start // size
         rec.num_written = end
         rec.pending.append(end)

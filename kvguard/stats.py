@@ -36,8 +36,8 @@ class Counters:
     deferred_publications: int = 0
     """Full blocks whose publication waited for their step's validation: a block a
     step fills (request level), or a publication recorded or handed in before the
-    step writing the block validated (block level). A schedule-time cache (vLLM 0.33's)
-    would have published these unvalidated; here they are published once the step
+    step writing the block validated (block level). A schedule-time cache (vLLM's, 0.32 to
+    0.34) would have published these unvalidated; here they are published once the step
     validates, or never if it fails (``blocks_published`` counts what was)."""
     blocks_evicted: int = 0
     """Cached blocks with no reference that an allocation took back (their hash left
