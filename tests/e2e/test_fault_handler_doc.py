@@ -1,6 +1,6 @@
-"""docs/vllm.md's worked fault handler (``step_or_resume``), run as written on the real
-CPU engine: the step computing an armed position writes garbage KV and fails; the
-handler recovers, and both requests finish with exactly their fault-free outputs."""
+"""docs/vllm-reference.md's worked fault handler (``step_or_resume``), run as written on
+the real CPU engine: the step computing an armed position writes garbage KV and fails;
+the handler recovers, and both requests finish with exactly their fault-free outputs."""
 
 from __future__ import annotations
 
@@ -22,12 +22,12 @@ if HAVE_ENGINE:
     from .conftest import guard_in_this_process, in_process, shutdown
     from .engine import ENGINE_KWARGS, arm_crash, crashes_fired, generate, tokens
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "vllm.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "vllm-reference.md"
 
 
 def _handler_from_the_docs() -> Any:
-    """``step_or_resume`` from docs/vllm.md, its two user parts filled in: the error a
-    failed worker raises (the test model's injected fault) and the restart (none
+    """``step_or_resume`` from docs/vllm-reference.md, its two user parts filled in: the
+    error a failed worker raises (the test model's injected fault) and the restart (none
     needed: the in-process worker lives on)."""
     text = DOC.read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)

@@ -42,7 +42,7 @@ from .harness import (  # noqa: E402
     step,
 )
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "vllm.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "vllm-reference.md"
 PROMPT = list(range(3000, 3000 + 3 * BLOCK + 3))
 
 
@@ -113,7 +113,7 @@ def test_the_docs_coverage_table_names_every_decision() -> None:
     rows = [line for line in text.splitlines() if line.startswith("| ")]
     for cls in vllm_manager_classes():
         row = [line for line in rows if f"`{cls.__name__}`" in line]
-        assert row, f"docs/vllm.md's coverage table has no row for {cls.__name__}"
+        assert row, f"docs/vllm-reference.md's coverage table has no row for {cls.__name__}"
         decision = "guarded" if cls in GUARDED_MANAGERS else "refused"
         assert f"**{decision}**" in row[0], (cls.__name__, row[0])
 

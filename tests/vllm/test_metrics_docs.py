@@ -13,7 +13,8 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "vllm.md"
 
 def _table_counters() -> list[str]:
     text = DOC.read_text()
-    section = text[text.index("### Counters") : text.index("### `/metrics`")]
+    start = text.index("### Counters on `/metrics`")
+    section = text[start : text.index("\n## ", start)]
     return re.findall(r"^\| `(\w+)` \|", section, flags=re.MULTILINE)
 
 
