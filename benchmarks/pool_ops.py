@@ -13,6 +13,13 @@ Trace:
 (c) ``--requests`` requests of ``--prompt-len`` tokens sharing a ``--prefix-len``-token
     prefix: prefix lookup, allocate the prompt, ``--decode-steps`` decode steps, free.
     kvguard validates after every step (the gating that vLLM does not do).
+(d) kvguard alone: would a batch form of ``validate_step`` pay? For each of
+    ``--batch-requests`` requests a step, ``--batch-steps`` decode steps of that many
+    requests, each step's results given alternately by one ``validate_step`` call per
+    request and by one call of :func:`validate_steps_sketch` over them all (same pool,
+    same requests: load from elsewhere hits both alike); the median step of each, per
+    request, and the ratio batch/calls. It pays if that ratio is at most
+    ``PAYS_AT_MOST`` at every size of 64 requests or more.
 
 Hashing (``--hashing``): ``excluded`` (default) keeps block hashing out of every timed
 region on both sides -- vLLM's ``Request`` hashes its prompt when it is built and its new
@@ -41,6 +48,7 @@ import importlib.util
 import os
 import platform
 import random
+import statistics
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -48,8 +56,10 @@ from dataclasses import dataclass, field, replace
 from time import perf_counter_ns
 from typing import Any
 
-from kvguard import BlockPool
+from kvguard import BlockPool, StepOutcome, StepResult, TokenRange
+from kvguard.errors import PoolMisuseError
 from kvguard.hashing import BlockHash, hash_block_tokens
+from kvguard.states import BlockState
 
 VOCAB = 32_000
 
@@ -67,6 +77,8 @@ class Config:
     repeats: int = 5
     hashing: str = "excluded"
     seed: int = 0
+    batch_requests: tuple[int, ...] = (8, 64, 256)
+    batch_steps: int = 256
 
     @property
     def blocks_per_request(self) -> int:
@@ -79,7 +91,7 @@ class Config:
         return self.requests * self.blocks_per_request + 1_024
 
 
-QUICK = Config(pairs=2_000, batches=200, requests=40, repeats=1)
+QUICK = Config(pairs=2_000, batches=200, requests=40, repeats=1, batch_steps=16)
 
 
 @dataclass
@@ -249,6 +261,128 @@ def kvguard_side() -> Side:
         batches=kvguard_batches,
         requests=kvguard_requests,
     )
+
+
+# ------------------------------------------------------- (d) a batch form, sketched
+
+PAYS_AT_MOST = 0.90
+"""A batch form pays if one call costs at most this fraction of the single calls it
+replaces (10 % saved) at every size of 64 requests a step or more."""
+
+_WRITTEN = BlockState.WRITTEN
+_VALIDATED = BlockState.VALIDATED
+
+
+def validate_steps_sketch(pool: BlockPool, request_ids: Sequence[str]) -> list[StepResult]:
+    """What a batch ``validate_steps(request_ids)`` could do at best, for measuring
+    only (it is not kvguard's API): one checking pass over every id, then one applying
+    pass that inlines :meth:`BlockPool.validate_step`'s body, its per-call dispatch and
+    lookups gone. It reads the pool's private parts, as only kvguard's own code may;
+    ``tests/test_pool_ops_batch_sketch.py`` checks that it leaves the pool, results and
+    events exactly as the single calls do."""
+    steps = pool._request_steps
+    requests = steps._requests
+    records = []
+    for request_id in request_ids:
+        rec = requests.get(request_id)
+        if rec is None or not (rec.discarded or (rec.pending and not rec.aborted)):
+            raise PoolMisuseError(f"validate_steps: {request_id!r} has no result to take")
+        records.append(rec)
+    if len(set(request_ids)) != len(records):
+        raise PoolMisuseError("validate_steps: a request named twice")
+    kernel = steps._kernel
+    blocks = kernel.blocks
+    size = steps._block_size
+    publish_ready = steps._publish_ready
+    results: list[StepResult] = []
+    validated = 0
+    for rec in records:
+        if rec.discarded:
+            results.append(steps._discard(rec))
+            continue
+        end = rec.pending.popleft()
+        start = rec.num_validated
+        rec.num_validated = end
+        table = rec.blocks
+        last = (end - 1) // size if rec.num_written <= end else end // size - 1
+        for i in range(start // size, last + 1):
+            block = blocks[table[i]]
+            if block.state is _WRITTEN:
+                block.state = _VALIDATED
+        validated += 1
+        published = publish_ready(rec) if end // size > rec.publish_cursor else ()
+        results.append(
+            StepResult(
+                rec.request_id,
+                StepOutcome.VALIDATED,
+                TokenRange(start, end),
+                end,
+                published=published,
+            )
+        )
+    kernel.counters.steps_validated += validated
+    return results
+
+
+def batch_validation(cfg: Config, num_requests: int) -> tuple[float, float]:
+    """Row (d) for one size: the median step's time per request (ns) with one
+    ``validate_step`` call per request, and with one :func:`validate_steps_sketch`
+    call; the two alternate step by step over the same requests."""
+    size = cfg.block_size
+    prompt_len = 4 * size
+    total = prompt_len + cfg.batch_steps
+    pool = BlockPool(num_requests * (-(-total // size) + 1), size)
+    rng = random.Random(cfg.seed)
+    ids = [f"req-{i}" for i in range(num_requests)]
+    hashes: dict[str, list[BlockHash]] = {}
+    for rid in ids:
+        tokens = [rng.randrange(VOCAB) for _ in range(total)]
+        hashes[rid] = hash_block_tokens(tokens, size)
+        pool.add_request(rid, tokens[:prompt_len], block_hashes=hashes[rid][: prompt_len // size])
+        pool.allocate(rid, prompt_len)
+        pool.write(rid, prompt_len)
+        pool.validate_step(rid)
+    single: list[int] = []
+    batch: list[int] = []
+    validate = pool.validate_step
+
+    def run() -> None:
+        for step in range(cfg.batch_steps):
+            num_tokens = prompt_len + step + 1
+            for rid in ids:  # schedule the step (untimed)
+                if num_tokens % size == 0:
+                    pool.append_block_hashes(rid, (hashes[rid][num_tokens // size - 1],))
+                pool.allocate(rid, num_tokens)
+                pool.write(rid, 1)
+            if step % 2:
+                t0 = perf_counter_ns()
+                validate_steps_sketch(pool, ids)
+                batch.append(perf_counter_ns() - t0)
+            else:
+                t0 = perf_counter_ns()
+                for rid in ids:
+                    validate(rid)
+                single.append(perf_counter_ns() - t0)
+
+    _timed_gc_off(run)
+    return statistics.median(single) / num_requests, statistics.median(batch) / num_requests
+
+
+def batch_report(cfg: Config, rows: Sequence[tuple[int, float, float]]) -> list[str]:
+    lines = [
+        f"(d) validate_step: N calls vs one batch call over the same N requests (a sketch, "
+        f"not in the API); per request, median of {cfg.batch_steps} alternating steps",
+        f"{'requests/step':>14}{'N calls us':>12}{'batch us':>12}{'batch/calls':>13}",
+    ]
+    for n, calls, one in rows:
+        lines.append(f"{n:>14}{calls / 1e3:>12.3f}{one / 1e3:>12.3f}{one / calls:>13.2f}")
+    large = [one / calls for n, calls, one in rows if n >= 64]
+    if large:
+        pays = "yes" if max(large) <= PAYS_AT_MOST else "no"
+        lines.append(
+            f"(d) a batch form pays (batch/calls <= {PAYS_AT_MOST:.2f} at 64+ requests): {pays}"
+        )
+    return lines
 
 
 # ---------------------------------------------------------------------------- vLLM
@@ -460,7 +594,13 @@ def _machine() -> str:
     )
 
 
-def report(cfg: Config, kv: Result, vl: Result | None, vllm_version: str | None) -> str:
+def report(
+    cfg: Config,
+    kv: Result,
+    vl: Result | None,
+    vllm_version: str | None,
+    batch_rows: Sequence[tuple[int, float, float]] = (),
+) -> str:
     lines = [
         "kvguard pool-ops benchmark",
         f"machine: {_machine()}",
@@ -491,6 +631,8 @@ def report(cfg: Config, kv: Result, vl: Result | None, vllm_version: str | None)
         lines.append(f"(c) prefix hit rate  vLLM:    {rate(vl)}")
     else:
         lines.append("vLLM baseline skipped: vllm is not importable (or --no-vllm)")
+    if batch_rows:
+        lines += ["", *batch_report(cfg, batch_rows)]
     return "\n".join(lines)
 
 
@@ -518,6 +660,14 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, bool]:
         "side hashing with its own default hasher",
     )
     p.add_argument("--seed", type=int, help="token-id seed (default 0)")
+    p.add_argument(
+        "--batch-requests",
+        type=lambda text: tuple(int(n) for n in text.split(",")),
+        help="(d) requests a step, comma-separated (default "
+        + ",".join(map(str, d.batch_requests))
+        + ")",
+    )
+    p.add_argument("--batch-steps", type=int, help=f"(d) decode steps (default {d.batch_steps})")
     args = p.parse_args(argv)
     cfg = QUICK if args.quick else d
     overrides = {
@@ -534,12 +684,16 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, bool]:
             "repeats",
             "hashing",
             "seed",
+            "batch_requests",
+            "batch_steps",
         )
         if getattr(args, name) is not None
     }
     cfg = replace(cfg, **overrides)
     if not 0 <= cfg.prefix_len <= cfg.prompt_len or min(cfg.pairs, cfg.batches, cfg.requests) < 1:
         p.error("need 0 <= --prefix-len <= --prompt-len and positive counts")
+    if min(cfg.batch_steps, *cfg.batch_requests) < 2:
+        p.error("--batch-steps and every --batch-requests must be at least 2")
     if min(cfg.batch_size, cfg.block_size, cfg.repeats, cfg.prompt_len) < 1:
         p.error("--batch-size, --block-size, --repeats and --prompt-len must be positive")
     return cfg, bool(args.no_vllm)
@@ -553,7 +707,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = bench(cfg, work, sides)
     kv = results[0]
     vl = results[1] if v is not None else None
-    print(report(cfg, kv, vl, v.version if v is not None else None))
+    batch_rows = [(n, *batch_validation(cfg, n)) for n in cfg.batch_requests]
+    print(report(cfg, kv, vl, v.version if v is not None else None, batch_rows))
     return 0
 
 
