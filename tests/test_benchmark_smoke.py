@@ -1,11 +1,11 @@
 """Smoke test for ``benchmarks/pool_ops.py --quick`` (run in a subprocess: the vLLM
-import configures logging and emits import-time warnings we keep out of this process)."""
+import configures logging and emits import-time warnings we keep out of this process).
+Rows and their shape are checked, never a speed; against vLLM:
+tests/vllm/test_benchmark_smoke.py."""
 
 from __future__ import annotations
 
-import importlib.util
-
-import pytest
+import math
 
 from .helpers import run_benchmark
 
@@ -18,39 +18,36 @@ ROWS = (
 )
 
 
-def _run(*args: str) -> str:
+def run_quick(*args: str) -> str:
     return run_benchmark("pool_ops.py", "--quick", *args, timeout=120)
 
 
-def _row(out: str, name: str) -> list[str]:
-    line = next(line for line in out.splitlines() if line.startswith(name))
+def row(out: str, name: str) -> list[str]:
+    """The figures of row ``name``: kvguard us, vLLM us, ratio."""
+    line = next((line for line in out.splitlines() if line.startswith(name)), None)
+    assert line is not None, f"no row {name!r} in:\n{out}"
     return line[len(name) :].split()
 
 
+def is_figure(text: str) -> bool:
+    """A time or a ratio as printed: a finite number, not negative (a fast operation
+    may print 0.0)."""
+    try:
+        value = float(text)
+    except ValueError:
+        return False
+    return math.isfinite(value) and value >= 0
+
+
 def test_quick_kvguard_only() -> None:
-    out = _run("--no-vllm")
+    out = run_quick("--no-vllm")
     for name in ROWS:
-        kvguard_us, vllm_us, ratio = _row(out, name)
-        assert float(kvguard_us) > 0
+        kvguard_us, vllm_us, ratio = row(out, name)
+        assert is_figure(kvguard_us), (name, kvguard_us)
         assert (vllm_us, ratio) == ("-", "-")
     assert "vLLM baseline skipped" in out
     # The shared 512-token prefix of 1,024-token prompts hits for all but the first request.
     assert "(c) prefix hit rate  kvguard: 48.8%" in out
-
-
-@pytest.mark.vllm
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
-def test_quick_against_vllm() -> None:
-    out = _run()
-    assert "baseline: vLLM 0.33" in out
-    for name in ROWS:
-        kvguard_us, vllm_us, ratio = _row(out, name)
-        assert float(kvguard_us) > 0
-        assert float(vllm_us) > 0
-        assert float(ratio) > 0
-    rates = [line.split(":", 1)[1] for line in out.splitlines() if "prefix hit rate" in line]
-    assert len(rates) == 2
-    assert rates[0].strip() == rates[1].strip()  # both pools hit the same prefix
 
 
 def test_pool_build_runs() -> None:
@@ -58,4 +55,4 @@ def test_pool_build_runs() -> None:
     out = run_benchmark("pool_build.py", "--blocks", "2000", "--repeats", "1", timeout=120)
     line = next(line for line in out.splitlines() if line.startswith("kvguard "))
     _, took, _, size, _ = line.split()
-    assert float(took) >= 0 and 40 < float(size) < 1000
+    assert is_figure(took) and 40 < float(size) < 1000

@@ -5,6 +5,7 @@ with the adapter's tests (tests/vllm/test_vendored_zeroer.py), where vLLM is ins
 from __future__ import annotations
 
 import importlib.util
+import math
 
 from .helpers import run_benchmark
 
@@ -22,10 +23,17 @@ def _numbers(out: str, label: str, count: int, column: int) -> list[float]:
     raise AssertionError(f"no row {label!r} for {count} blocks in:\n{out}")
 
 
+def _figures(values: list[float]) -> bool:
+    """Times and ratios as the benchmark prints them: finite, not negative. Never more
+    (a fast call prints 0.0 us; how fast is for the benchmark to say, not a test)."""
+    return all(math.isfinite(v) and v >= 0 for v in values)
+
+
 def test_quick_run_times_every_row() -> None:
     """CPU rows: both vLLM loops and kvguard, each cache, 1/8/64 blocks. Triton rows, with
     no GPU here: under the interpreter on tiny CPU caches (the run also checks that each
-    side zeroes exactly the named blocks), or skipped and said so without triton."""
+    side zeroes exactly the named blocks), or skipped and said so without triton. The
+    rows' shape is checked, never their speed."""
     env = {"TRITON_INTERPRET": "1" if HAS_TRITON else None}
     out = run_benchmark("block_zeroing.py", "--quick", timeout=120, env=env)
     assert "machine: " in out
@@ -34,12 +42,13 @@ def test_quick_run_times_every_row() -> None:
             # layers, blocks, MiB, kvguard us, vLLM 0.32 us, ratio, vLLM 0.34 us, ratio
             layers, _, mib, *times = _numbers(out, f"cpu {cache}", count, column=1)
             assert layers > 0 and mib > 0 and len(times) == 5
-            assert all(t > 0 for t in times), times
+            assert _figures(times), times
     if not HAS_TRITON:
         assert "Triton rows skipped" in out
         return
     for layout in ("flash_attn", "flashinfer", "mla"):
         for count in (1, 3):
             # blocks, MiB, kvguard us, vLLM us, kvguard GB/s, vLLM GB/s, ratio
-            _, _, kvg_us, vllm_us, _, _, ratio = _numbers(out, f"interp {layout}", count, column=0)
-            assert kvg_us > 0 and vllm_us > 0 and ratio > 0
+            # (tiny caches: MiB prints as 0.0)
+            _, *figures = _numbers(out, f"interp {layout}", count, column=0)
+            assert len(figures) == 6 and _figures(figures), figures

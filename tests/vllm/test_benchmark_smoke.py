@@ -1,5 +1,6 @@
-"""Smoke test for ``benchmarks/vllm_scheduler.py`` on a tiny trace (subprocess: vLLM's
-import configures logging)."""
+"""Smoke tests for the benchmarks that run vLLM: ``benchmarks/vllm_scheduler.py`` on a
+tiny trace and ``benchmarks/pool_ops.py --quick`` against vLLM's block pool (subprocess:
+vLLM's import configures logging). Rows and their shape are checked, never a speed."""
 
 from __future__ import annotations
 
@@ -8,9 +9,21 @@ import re
 import pytest
 
 from ..helpers import run_benchmark
+from ..test_benchmark_smoke import ROWS, is_figure, row, run_quick
 
 pytestmark = pytest.mark.vllm
-pytest.importorskip("vllm")
+vllm = pytest.importorskip("vllm")
+
+
+def test_pool_ops_quick_against_vllm() -> None:
+    out = run_quick()
+    assert f"baseline: vLLM {vllm.__version__}" in out
+    for name in ROWS:
+        figures = row(out, name)  # kvguard us, vLLM us, ratio
+        assert len(figures) == 3 and all(is_figure(f) for f in figures), (name, figures)
+    rates = [line.split(":", 1)[1] for line in out.splitlines() if "prefix hit rate" in line]
+    assert len(rates) == 2
+    assert rates[0].strip() == rates[1].strip()  # both pools hit the same prefix
 
 
 @pytest.mark.parametrize(
@@ -36,7 +49,7 @@ def test_scheduler_benchmark_runs_both_schedulers_on_one_trace(mode: list[str]) 
     assert len(re.findall(r"^round \d: \d+ steps", out, re.M)) == 2
     second = "stock#2" if "--control" in mode else "guarded"
     ratio = re.search(rf"ratio {second}/stock = (\d+\.\d+)", out)
-    assert ratio is not None and 0.5 < float(ratio.group(1)) < 5
+    assert ratio is not None and is_figure(ratio.group(1))
     assert "schedule():" in out and "update_from_output():" in out
     low, high = mode[1:] if "--output-tokens" in mode else ("8", "64")
     assert f"output tokens {low}..{int(high) - 1}" in out
