@@ -20,8 +20,9 @@ with and without recorded events, with kvguard's block records and an engine's s
 of them. A focused property test covers evictions across retention classes; readable
 examples pin the cases that matter most.
 
-``KVGUARD_REQUIRE_SPEEDUPS=1`` (CI) turns a missing extension into a failure instead of
-a skip, so that a silently failed build is caught.
+Without the extension these tests skip. ``KVGUARD_REQUIRE_SPEEDUPS=1`` turns a missing
+extension into a failure instead: ``.ci/run`` sets it for a second run of this file,
+after the install that builds the extension, so that a silently failed build is caught.
 """
 
 from __future__ import annotations
