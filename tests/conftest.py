@@ -1,10 +1,21 @@
-"""Shared fixtures: every pool built here checks its invariants after each mutation."""
+"""Shared fixtures: every pool built here checks its invariants after each mutation.
+And the end-to-end tests' time limit."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvguard import BlockPool, ZeroPolicy
+
+E2E_TIMEOUT_S = 900
+"""Per test marked ``e2e`` (a real engine starts, loads a model, serves): longer than
+pyproject's limit for every other test. A test's own ``timeout`` mark wins."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("e2e") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(E2E_TIMEOUT_S))
 
 
 def make_pool(
