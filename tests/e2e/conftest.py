@@ -1,13 +1,26 @@
-"""Fixtures of the end-to-end tests: the tiny model, a fault-free reference engine, and
-the switch that puts kvguard's plugin in force for the in-process engines built
-under it.
+"""Fixtures of the end-to-end tests: the tiny model, a fault-free reference engine, the
+process-wide state the in-process engines share, and the switch that puts kvguard's
+plugin in force for the in-process engines built under it.
 
-vLLM loads its plugins once per process, and kvguard's plugin (``KVGUARD_GUARD=1``)
-patches vLLM classes for the whole process; an engine reads what it needs from them
-when it is built (its scheduler class, whether workers build a block zeroer). So one
-test process can hold a stock and a guarded in-process engine side by side: stock
-engines are built with the plugin's patches undone, guarded ones inside
-:func:`guard_in_this_process`, which applies them and puts vLLM back afterwards.
+Every test passes alone, in any subset and in any order: what one test's engines
+change in this process is put back before the next test's engines are built.
+
+* vLLM's parallel state (torch.distributed and vLLM's process groups) is one per
+  process, set up by the first in-process engine's worker for that engine's model and
+  torn down by any in-process engine's shutdown, under the others still running.
+  :func:`parallel_state` makes it the session's: set up once, with every group any
+  engine here needs (the expert-parallel group a MoE model needs, which vLLM leaves
+  out for a dense first model), and left alone by the engines' shutdowns.
+* vLLM writes ``os.environ`` while it checks an engine's config (``LD_PRELOAD``, the
+  SSM conv-state layout a NIXL engine asks for, ...): each engine is built between
+  :func:`engine.apply_env` and :func:`engine.restore_env`, which puts the whole
+  environment back.
+* kvguard's plugin (``KVGUARD_GUARD=1``) patches vLLM classes for the whole process;
+  an engine reads what it needs from them when it is built (its scheduler class,
+  whether workers build a block zeroer). Stock engines are built with the plugin's
+  patches undone, guarded ones inside :func:`guard_in_this_process`, which applies
+  them and puts vLLM back afterwards.
+
 Multiprocess engines and ``vllm serve`` start their own processes (spawned), where
 vLLM loads the plugins itself under the environment they are given.
 """
@@ -134,20 +147,66 @@ def kvguard_log() -> Iterator[list[logging.LogRecord]]:
         logger.setLevel(level)
 
 
-_IN_PROCESS: list[Any] = []
-
-
 def shutdown(llm: Any) -> None:
-    """Stop a multiprocess engine's processes. An in-process engine is kept until the
-    session ends: shutting one down tears down the process-wide parallel state that
-    every in-process engine of the process uses (vLLM's ``get_pp_group``)."""
-    client = llm.llm_engine.engine_core
-    if type(client).__name__ == "InprocClient":
-        _IN_PROCESS.append(llm)
-        return
+    """Stop an engine: its engine core and workers, in this process or in processes of
+    their own (the in-process ones leave the parallel state alone: :func:`parallel_state`)."""
     with contextlib.suppress(Exception):
-        client.shutdown()
+        llm.llm_engine.engine_core.shutdown()
     gc.collect()
+
+
+def _cleanup_but_keep_parallel_state(shutdown_ray: bool = False) -> None:
+    """vLLM's ``cleanup_dist_env_and_memory`` as an in-process engine core's shutdown
+    calls it, without destroying the process's parallel state."""
+    import vllm.envs
+
+    vllm.envs.disable_envs_cache()
+    gc.unfreeze()
+    gc.collect()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def parallel_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """This process's vLLM parallel state, owned by the session: a world of one rank
+    with every group (expert parallel included), set up before any in-process engine
+    is built -- whose worker then finds it and uses it, whatever its model -- and
+    kept when an in-process engine shuts down (vLLM's engine core tears it down,
+    under every other in-process engine). Engines whose workers run in processes of
+    their own (TP, PP, multiprocess) never touch it."""
+    if not HAVE_ENGINE:
+        yield
+        return
+    import vllm.v1.engine.core
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+    from vllm.platforms import current_platform
+
+    mp = pytest.MonkeyPatch()
+    ours = not ps.model_parallel_is_initialized()
+    try:
+        mp.setattr(
+            vllm.v1.engine.core, "cleanup_dist_env_and_memory", _cleanup_but_keep_parallel_state
+        )
+        if ours:
+            init = "file://" + str(tmp_path_factory.mktemp("parallel-state") / "store")
+            backend = current_platform.dist_backend
+            # (The CPU communicator names its shared memory after VLLM_DIST_IDENT, which
+            # vLLM's CPU worker sets from its init method.)
+            saved = engine.apply_env({"VLLM_DIST_IDENT": "kvguard-e2e"})
+            try:
+                # No model config: vLLM then creates the expert-parallel group too.
+                with set_current_vllm_config(VllmConfig()):
+                    ps.init_distributed_environment(1, 0, init, 0, backend)
+                    ps.initialize_model_parallel(1, 1, backend=backend)
+            finally:
+                engine.restore_env(saved)
+        ps.get_ep_group()  # (asserts it exists)
+        yield
+    finally:
+        mp.undo()
+        if ours:
+            ps.destroy_model_parallel()
+            ps.destroy_distributed_environment()
 
 
 @pytest.fixture(scope="session")

@@ -17,10 +17,11 @@ import contextlib
 import functools
 import os
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from kvguard_e2e_nan_model import ARCHITECTURE, GDN_ARCHITECTURE, MAMBA2_ARCHITECTURE
@@ -247,6 +248,24 @@ def with_token(prompt: Sequence[int], position: int, token: int) -> list[int]:
     return out
 
 
+# ---------------------------------------------------------------- waiting
+
+T = TypeVar("T")
+
+
+def wait_for(read: Callable[[], T], done: Callable[[T], bool], timeout_s: float) -> T:
+    """``read()`` until ``done`` holds of what it read, or ``timeout_s`` passed; what it
+    read last (the caller's assertion says what is missing). For what another process
+    writes with no signal to wait on (its log file, its ``/metrics``): the wait ends on
+    the condition, its deadline only bounds a failing test."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = read()
+        if done(value) or time.monotonic() > deadline:
+            return value
+        time.sleep(0.1)  # (a poll interval, not the wait)
+
+
 # ---------------------------------------------------------------- outputs
 
 
@@ -470,8 +489,9 @@ def engine_env(guard: bool) -> dict[str, str]:
     return env
 
 
-def apply_env(env: dict[str, str]) -> dict[str, str | None]:
-    """Set ``env`` in os.environ for the engine built next; returns what to restore.
+def apply_env(env: dict[str, str]) -> dict[str, str]:
+    """Set ``env`` in os.environ for the engine built next; returns the whole
+    environment as it was, for :func:`restore_env`.
 
     An in-process engine core freezes vLLM's view of its environment variables
     (``vllm.envs.enable_envs_cache`` at start-up); the next engine of this process
@@ -479,16 +499,20 @@ def apply_env(env: dict[str, str]) -> dict[str, str | None]:
     import vllm.envs
 
     vllm.envs.disable_envs_cache()
-    saved = {k: os.environ.get(k) for k in env}
+    saved = dict(os.environ)
     os.environ.update(env)
     return saved
 
 
-def restore_env(saved: dict[str, str | None]) -> None:
+def restore_env(saved: dict[str, str]) -> None:
+    """Put back the environment :func:`apply_env` found: what it set, and what vLLM
+    set meanwhile (checking an engine's config, vLLM's CPU platform writes
+    ``LD_PRELOAD``, thread settings and, first come first served, the SSM conv-state
+    layout -- "DS" for a NIXL engine -- that every later engine would inherit)."""
+    for key in set(os.environ) - set(saved):
+        del os.environ[key]
     for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
+        if os.environ.get(key) != value:
             os.environ[key] = value
 
 

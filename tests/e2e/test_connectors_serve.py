@@ -7,9 +7,9 @@ stock answers 200 and stores its KV for every reader of the storage; guarded ans
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,9 +21,8 @@ from .conftest import HAVE_ENGINE, SKIP_REASON
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not HAVE_ENGINE, reason=SKIP_REASON)]
 
 if HAVE_ENGINE:
-    from .engine import ENGINE_KWARGS, tokens, trigger, with_token
-    from .test_guard_stays_on import _metrics
-    from .test_serve import Server, _start, _stop, _wait_ready
+    from .engine import ENGINE_KWARGS, tokens, trigger, wait_for, with_token
+    from .server import Server, server_env, serving, start
 
 ABORTED = 'kvguard:requests_aborted_total{engine="0"}'
 if HAVE_ENGINE:
@@ -35,8 +34,8 @@ if HAVE_ENGINE:
 def servers(
     model_dir: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, tuple[Server, Path]]]:
-    log_dir = str(tmp_path_factory.mktemp("serve-connector-logs"))
-    started = {}
+    logs = tmp_path_factory.mktemp("serve-connector-logs")
+    starts, storages = [], []
     for name, guard in (("stock", False), ("guarded", True)):
         storage = tmp_path_factory.mktemp(f"storage-{name}")
         config = {
@@ -45,14 +44,11 @@ def servers(
             "kv_connector_extra_config": {"shared_storage_path": str(storage)},
         }
         extra = ["--kv-transfer-config", json.dumps(config)]
-        started[name] = (_start(name, model_dir, guard, log_dir, KW, extra), storage)
-    try:
-        for server, _ in started.values():
-            _wait_ready(server)
-        yield started
-    finally:
-        for server, _ in started.values():
-            _stop(server)
+        log = str(logs / f"{name}.log")
+        starts.append(functools.partial(start, name, model_dir, log, server_env(guard), KW, extra))
+        storages.append(storage)
+    with serving(*starts) as (stock, guarded):
+        yield {"stock": (stock, storages[0]), "guarded": (guarded, storages[1])}
 
 
 def test_a_failed_prefill_is_answered_500_and_never_stored(
@@ -74,9 +70,7 @@ def test_a_failed_prefill_is_answered_500_and_never_stored(
     (line,) = guarded.log_lines("guard in force")
     assert "connectors gated: GuardedExampleConnector;" in line
     # (The engine core sends its counters at most once a second, and when it idles.)
-    deadline = time.monotonic() + 10
-    while (metrics := _metrics(guarded)).get(ABORTED) != 1 and time.monotonic() < deadline:
-        time.sleep(0.5)
+    metrics = wait_for(guarded.metrics, lambda m: m.get(ABORTED) == 1, timeout_s=10)
     assert metrics['kvguard:storage_stores_committed_total{engine="0"}'] == 1
     assert metrics['kvguard:storage_stores_discarded_total{engine="0"}'] == 1
     assert metrics[ABORTED] == 1

@@ -15,10 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
-import subprocess
-import sys
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,7 +25,7 @@ from .conftest import HAVE_ENGINE, SKIP_REASON
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not HAVE_ENGINE, reason=SKIP_REASON)]
 
 if HAVE_ENGINE:
-    from .conftest import kvguard_log, shutdown
+    from .conftest import in_process, kvguard_log, shutdown
     from .engine import (
         ENGINE_KWARGS,
         ENV,
@@ -44,7 +40,7 @@ if HAVE_ENGINE:
         trigger,
         with_token,
     )
-    from .test_serve import Server, _flags, _free_port, _stop, _wait_ready
+    from .server import serving, start
 
 GUARD_CONFIG: dict[str, dict[str, Any]] = {"kvguard": {}}
 """The whole of what a user gives: the guard with its default settings."""
@@ -75,11 +71,8 @@ def plugin_patches_undone() -> Iterator[pytest.MonkeyPatch]:
 def _in_process_engine(model_dir: str, **kwargs: Any) -> Any:
     from vllm import LLM
 
-    saved = apply_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    try:
+    with in_process():
         return LLM(model=model_dir, **ENGINE_KWARGS, **kwargs)
-    finally:
-        restore_env(saved)
 
 
 def _chunk_2_fault() -> list[int]:
@@ -93,6 +86,8 @@ def _chunk_2_fault() -> list[int]:
 def test_additional_config_alone_switches_the_guard_on_in_process(
     model_dir: str, reference: Any
 ) -> None:
+    import vllm.envs
+
     a = _chunk_2_fault()
     (ref,) = generate(reference, [a])
     with plugin_patches_undone():
@@ -113,7 +108,9 @@ def test_additional_config_alone_switches_the_guard_on_in_process(
             sched = scheduler(guarded)
             assert type(sched).__name__ == "GuardedScheduler"
             assert sched.kvguard_pool.core is not None
-            assert os.environ.get("VLLM_COMPUTE_NANS_IN_LOGITS") == "1"  # set by the plugin
+            # Set by the plugin (absent from the environment here): what the engine
+            # reads, frozen at its start (the build's environment is put back since).
+            assert vllm.envs.VLLM_COMPUTE_NANS_IN_LOGITS
             assert sched.kv_cache_config.needs_kv_cache_zeroing
             (out,) = generate(guarded, [a])
             assert (90, trigger(0)) in faults_fired(guarded)
@@ -190,22 +187,6 @@ def test_additional_config_alone_switches_the_guard_on_in_the_multiprocess_engin
 # ---------------------------------------------------------------- vllm serve
 
 
-def _metrics(server: Server) -> dict[str, float]:
-    """kvguard's samples on the server's /metrics: ``name{labels}`` -> value."""
-    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as response:
-        text = response.read().decode()
-    out = {}
-    for line in text.splitlines():
-        match = re.match(r"^(kvguard:\S+)\s+(\S+)$", line)
-        if match:
-            out[match.group(1)] = float(match.group(2))
-    assert "vllm:num_requests_running" in text  # vLLM's own metrics are still there
-    assert "kvguard:" not in "".join(
-        line for line in text.splitlines() if line.startswith("vllm:")
-    )  # none of kvguard's keys leaked into vLLM's own series
-    return out
-
-
 @pytest.mark.parametrize("switch", ["additional-config", "environment"])
 def test_vllm_serve_serves_kvguards_counters(
     model_dir: str, reference: Any, tmp_path: Any, switch: str
@@ -219,36 +200,25 @@ def test_vllm_serve_serves_kvguards_counters(
     a = _chunk_2_fault()
     r = tokens(303, 120)
     (ref_r,) = generate(reference, [r], max_tokens=4)
-    port = _free_port()
     env = {**os.environ, **ENV}
     for key in (*UNSET, "VLLM_ENABLE_V1_MULTIPROCESSING"):
         env.pop(key, None)
-    log = str(tmp_path / "serve.log")
-    flags = _flags(model_dir, port)
+    extra: list[str] = []
     if switch == "environment":
         env["KVGUARD_GUARD"] = "1"
     else:
-        flags += ["--additional-config", json.dumps(GUARD_CONFIG)]
-    with open(log, "wb") as sink:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *flags],
-            env=env,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    server = Server(f"guarded by {switch}", f"http://127.0.0.1:{port}", model_dir, process, log)
-    try:
-        _wait_ready(server)
-        before = _metrics(server)
+        extra = ["--additional-config", json.dumps(GUARD_CONFIG)]
+    log = str(tmp_path / "serve.log")
+    with serving(lambda: start(f"guarded by {switch}", model_dir, log, env, extra=extra)) as (
+        server,
+    ):
+        before = server.metrics()
         assert not before.get('kvguard:requests_aborted_total{engine="0"}')
         status, body = server.complete(a)
         assert status == 500, body
         status, body = server.complete(r, max_tokens=4)
         assert status == 200 and body["choices"][0]["token_ids"] == list(ref_r.token_ids)
-        after = _metrics(server)
-    finally:
-        _stop(server)
+        after = server.metrics()
     sample = 'kvguard:{}_total{{engine="0"}}'.format
     assert after[sample("requests_aborted")] == 1, after
     assert after[sample("blocks_quarantined")] == 2, after
@@ -264,26 +234,20 @@ def test_a_pooling_model_runs_unguarded_with_one_log_line(model_dir: str) -> Non
     for: the engine starts, embeds, and says once that it runs the model unguarded.
     (Before, the guarded scheduler refused the first output: no NaN counts.) Driven
     through vLLM's ``LLMEngine`` (``LLM.embed`` needs a tokenizer the model lacks)."""
-    import vllm.envs
     from vllm import PoolingParams, TokensPrompt
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
     with plugin_patches_undone():
-        vllm.envs.disable_envs_cache()
-        saved = apply_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-        try:
-            engine_args = EngineArgs(
-                model=model_dir,
-                runner="pooling",
-                convert="embed",
-                additional_config=GUARD_CONFIG,
-                **ENGINE_KWARGS,
-            )
-            with kvguard_log() as records:
-                llm_engine = LLMEngine.from_engine_args(engine_args)
-        finally:
-            restore_env(saved)
+        engine_args = EngineArgs(
+            model=model_dir,
+            runner="pooling",
+            convert="embed",
+            additional_config=GUARD_CONFIG,
+            **ENGINE_KWARGS,
+        )
+        with in_process(), kvguard_log() as records:
+            llm_engine = LLMEngine.from_engine_args(engine_args)
         try:
             sched = llm_engine.engine_core.engine_core.scheduler
             # Pass-through: the guarded scheduler class built vLLM's own scheduler.

@@ -156,9 +156,6 @@ def held(table: list[list[int]]) -> list[list[int]]:
 
 # ---------------------------------------------------------------- engines
 
-_REFERENCES: dict[str, Any] = {}
-"""The reference engine of each model, shared by its cases."""
-
 
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request: pytest.FixtureRequest) -> Case:
@@ -174,17 +171,26 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def reference(case: Case, model_dirs: dict[str, str]) -> Any:
+def references() -> Iterator[dict[str, Any]]:
+    """The reference engine of each model, built on first use, shared by its cases."""
+    built: dict[str, Any] = {}
+    yield built
+    for llm in built.values():
+        shutdown(llm)
+
+
+@pytest.fixture(scope="module")
+def reference(case: Case, model_dirs: dict[str, str], references: dict[str, Any]) -> Any:
     """A stock in-process engine with the model's faults off (one per model; the
     fault-free output does not depend on the prefix-hit granularity)."""
     from vllm import LLM
 
-    if case.model not in _REFERENCES:
+    if case.model not in references:
         with in_process():
             llm = LLM(model=model_dirs[case.model], **case.kwargs)
         set_faults(llm, False)
-        _REFERENCES[case.model] = llm
-    return _REFERENCES[case.model]
+        references[case.model] = llm
+    return references[case.model]
 
 
 @pytest.fixture(scope="module")

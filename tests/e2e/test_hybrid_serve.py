@@ -14,6 +14,7 @@ tensors read.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -35,8 +36,7 @@ if HAVE_ENGINE:
         trigger,
         with_token,
     )
-    from .test_guard_stays_on import _metrics
-    from .test_serve import ERROR_BODY, Server, _start, _stop, _wait_ready
+    from .server import ERROR_BODY, Server, server_env, serving, start
 
 BLOCK = 96
 """The block size vLLM runs both groups with (GDN_ENGINE_KWARGS); chunks of 64 tokens,
@@ -73,20 +73,24 @@ def gdn_reference(gdn_dir: str) -> Iterator[Any]:
 def servers(
     gdn_dir: str, gdn_reference: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Server]]:
-    log_dir = str(tmp_path_factory.mktemp("hybrid-serve-logs"))
+    logs = tmp_path_factory.mktemp("hybrid-serve-logs")
     # The prompt's cached tokens in each answer's usage (B's hit).
     extra = ["--enable-prompt-tokens-details"]
-    started = {
-        name: _start(name, gdn_dir, name == "guarded", log_dir, GDN_ENGINE_KWARGS, extra)
-        for name in ("stock", "guarded")
-    }
-    try:
-        for server in started.values():
-            _wait_ready(server)
-        yield started
-    finally:
-        for server in started.values():
-            _stop(server)
+    with serving(
+        *(
+            functools.partial(
+                start,
+                name,
+                gdn_dir,
+                str(logs / f"{name}.log"),
+                server_env(guard),
+                GDN_ENGINE_KWARGS,
+                extra,
+            )
+            for name, guard in (("stock", False), ("guarded", True))
+        )
+    ) as (stock, guarded):
+        yield {"stock": stock, "guarded": guarded}
 
 
 def _answer(server: Server, prompt: list[int]) -> tuple[int, Any, list[int], int | None]:
@@ -142,6 +146,6 @@ def test_guarded_answers_a_with_an_error_and_b_and_the_retry_with_clean_outputs(
     assert cached == 3 * BLOCK  # B's own checkpoint at 288, computed cleanly
     assert retry_tokens == list(ref_a.token_ids)
 
-    metrics = _metrics(guarded)
+    metrics = guarded.metrics()
     assert metrics['kvguard:requests_aborted_total{engine="0"}'] == 1
     assert metrics['kvguard:blocks_quarantined_total{engine="0"}'] > 0

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ if HAVE_ENGINE:
         restore_env,
         tokens,
         trigger,
+        wait_for,
         with_token,
     )
 
@@ -85,12 +85,7 @@ def _wait_for_lines(name: str, needle: str, count: int, timeout_s: float = 10) -
     """The lines of engine ``name``'s log holding ``needle``, once there are ``count``
     of them (or the timeout passed). The engine core logs before it sends the step's
     outputs, but its writes are its own: the file may lag."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        lines = _core_lines(name, needle)
-        if len(lines) >= count or time.monotonic() > deadline:
-            return lines
-        time.sleep(0.05)
+    return wait_for(lambda: _core_lines(name, needle), lambda lines: len(lines) >= count, timeout_s)
 
 
 def _shown(name: str) -> str:

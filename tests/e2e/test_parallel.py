@@ -19,10 +19,7 @@ and pool, and a test sends each request to the rank it names.
 from __future__ import annotations
 
 import asyncio
-import os
 import re
-import subprocess
-import sys
 import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -56,8 +53,7 @@ if HAVE_ENGINE:
         trigger,
         with_token,
     )
-    from .test_serve import Server, _flags, _free_port, _wait_ready
-    from .test_serve import _stop as stop_server
+    from .server import server_env, serving, start
 
 BIND = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 """One core per worker. vLLM's default (``auto``) binds each worker to a NUMA node of
@@ -104,13 +100,6 @@ def _allocate_stage_input(worker: Any) -> bool:
     return True
 
 
-def _stop(llm: Any) -> None:
-    """Stop the engine's worker processes. The engine core (this process) is kept, as
-    every in-process engine is (:func:`conftest.shutdown`)."""
-    llm.llm_engine.engine_core.engine_core.model_executor.shutdown()
-    shutdown(llm)
-
-
 START_UP_LOG: dict[tuple[str, str], list[Any]] = {}
 """What kvguard logged while each (layout, engine) was built."""
 
@@ -126,7 +115,7 @@ def stock(model_dir: str, reference: Any, layout: str) -> Iterator[Any]:
         llm = _build(model_dir, layout)
     assert type(scheduler(llm)).__name__ == "Scheduler"
     yield llm
-    _stop(llm)
+    shutdown(llm)
 
 
 @pytest.fixture(scope="class")
@@ -136,7 +125,7 @@ def guarded(model_dir: str, reference: Any, layout: str, stock: Any) -> Iterator
             llm = _build(model_dir, layout)
         assert type(scheduler(llm)).__name__ == "GuardedScheduler"
         yield llm
-        _stop(llm)
+        shutdown(llm)
 
 
 def both(stock: Any, guarded: Any) -> list[tuple[str, Any]]:
@@ -493,27 +482,17 @@ class TestServeDataParallel:
     def test_metrics_show_one_sample_per_engine_core(
         self, model_dir: str, reference: Any, tmp_path: Path
     ) -> None:
-        port = _free_port()
-        env = {**os.environ, **engine_env(True)}
-        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         log = str(tmp_path / "serve.log")
-        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
-        command += [*_flags(model_dir, port), "--data-parallel-size", "2"]
-        with open(log, "wb") as out:
-            process = subprocess.Popen(
-                command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        server = Server("guarded-dp", f"http://127.0.0.1:{port}", model_dir, process, log)
-        try:
-            _wait_ready(server)
+        dp = ["--data-parallel-size", "2"]
+        with serving(lambda: start("guarded-dp", model_dir, log, server_env(True), extra=dp)) as (
+            server,
+        ):
             for seed in range(4):
                 status, _ = server.complete(tokens(250 + seed, 40), max_tokens=4)
                 assert status == 200
             with urllib.request.urlopen(server.url + "/metrics", timeout=30) as response:
                 metrics = response.read().decode()
             starts = server.log_lines("kvguard: guard in force")
-        finally:
-            stop_server(server)
         samples = re.findall(
             r'^kvguard:steps_validated_total\{engine="(\d)"\} (\S+)$', metrics, re.M
         )
