@@ -122,3 +122,15 @@ class CorruptionError(KvGuardError):
 
 class InvariantViolation(CorruptionError):
     """:meth:`BlockPool.check_invariants` found a broken invariant."""
+
+
+class ConsistencyError(CorruptionError):
+    """The vLLM adapter found vLLM's view of the pool and kvguard's disagree
+    (``GuardedBlockPool.check_consistency``), or its own record of a step out of order:
+    a kvguard bug."""
+
+
+class EngineContractError(CorruptionError):
+    """The engine broke a rule the adapter relies on (checked under
+    ``check_invariants``; without it the guard quarantines what the rule protected and
+    warns): kvguard's model of that engine version is wrong, a kvguard bug to report."""

@@ -5,17 +5,22 @@ does."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
 from vllm.v1.core.block_pool import BlockPool  # noqa: E402
+from vllm.v1.core.single_type_kv_cache_manager import MambaManager  # noqa: E402
 
 from kvguard import BlockHash, BlockState, DoubleFreeError, fast_path  # noqa: E402
 from kvguard.adapters.vllm.block_pool import GuardedBlockPool  # noqa: E402
 from kvguard.adapters.vllm.config import GuardConfig  # noqa: E402
 from kvguard.block import PendingPublication  # noqa: E402
+from kvguard.errors import ConsistencyError, CorruptionError  # noqa: E402
 
 from .harness import BLOCK, make_request  # noqa: E402
 
@@ -168,3 +173,68 @@ def test_compiled_fill_noting_with_hashes_missing_fails_as_the_python_loop() -> 
             pool.cache_full_blocks(request, blocks, 0, 4, BLOCK, 0)
         noted.append((_taken(pool), [b.num_hash_tokens for b in blocks]))
     assert noted[0] == noted[1]
+
+
+def _relocate(pool: BlockPool, block: Any) -> None:
+    """vLLM's relocation of a speculative Mamba block (0.32 to 0.34), which asserts the
+    block is exclusively owned and unhashed (``is_block_writable``)."""
+    manager = SimpleNamespace(block_pool=pool, _null_block=pool.null_block)
+    MambaManager._relocate_speculative_block(manager, [block], 0)
+
+
+@pytest.mark.parametrize("guarded", [False, True], ids=["stock", "guarded"])
+def test_a_connector_pin_still_makes_a_block_shared_for_vllm(guarded: bool) -> None:
+    """A connector pins a block being written (touch(): SimpleCPU offloading pins the
+    blocks a load writes). kvguard keeps that pin apart from ``ref_cnt`` (the block has
+    one owner in kvguard), yet the pool answers ``is_block_writable`` as vLLM's own
+    does: vLLM's refusal to relocate a block someone else holds still fires, and the
+    block is writable again once the pin is released."""
+    pool: BlockPool = (
+        GuardedBlockPool(16, True, 4, guard=GUARD) if guarded else BlockPool(16, True, 4)
+    )
+    (block,) = pool.get_new_blocks(1)
+    assert pool.is_block_writable(block)
+    pool.touch([block])
+    assert block.ref_cnt == (1 if guarded else 2)
+    assert not pool.is_block_writable(block)
+    with pytest.raises(AssertionError, match="exclusively owned and unhashed"):
+        _relocate(pool, block)
+    pool.free_blocks([block])  # the pin's release
+    assert block.ref_cnt == 1
+    assert pool.is_block_writable(block)
+    _relocate(pool, block)
+    if isinstance(pool, GuardedBlockPool):
+        pool.check_consistency()
+
+
+def test_a_copy_on_write_reference_makes_a_block_shared_for_vllm() -> None:
+    """vLLM's copy-on-write takes a reference by writing ``ref_cnt``, which kvguard
+    disowns (retain_for_copy): the source is not writable until that reference goes."""
+    pool = _pool()
+    (block,) = pool.get_new_blocks(1)
+    block.ref_cnt += 1  # (vLLM's _apply_cow)
+    pool.retain_for_copy(block)
+    assert block.ref_cnt == 1
+    assert not pool.is_block_writable(block)
+    pool.free_blocks([block])
+    assert pool.is_block_writable(block)
+    assert not pool.is_block_writable(pool.null_block)
+    pool.check_consistency()
+
+
+def test_a_broken_view_is_a_consistency_error_not_an_assertion() -> None:
+    """check_consistency reports every disagreement between vLLM's view and kvguard's
+    as kvguard's corruption error (a kvguard bug), never a bare AssertionError, which
+    a vendored test expected to fail with one would hide."""
+    pool = _pool()
+    (block,) = pool.get_new_blocks(1)
+    pool.blocks[5].is_null = True
+    pool.ledger.hold("r", block.block_id, (BlockHash(b"h" * 20), None, "r"), 4)
+    pool.free_blocks([block])  # quarantined: a publication held for it is now wrong
+    with pytest.raises(ConsistencyError) as info:
+        pool.check_consistency()
+    assert not isinstance(info.value, AssertionError)
+    assert isinstance(info.value, CorruptionError)
+    message = str(info.value)
+    assert "block 5 is a second null block" in message
+    assert f"block {block.block_id} held for publication is QUARANTINED" in message

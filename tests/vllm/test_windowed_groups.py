@@ -18,6 +18,7 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
 from kvguard import BlockState  # noqa: E402
+from kvguard.errors import EngineContractError  # noqa: E402
 
 from .harness import (  # noqa: E402
     BLOCK,
@@ -302,7 +303,7 @@ def test_a_window_free_of_blocks_a_step_in_flight_fills_is_caught() -> None:
     s.add_request(make_request("a", PROMPT))
     s.schedule()
     s.schedule()  # two prefill chunks in flight, each filling a block
-    with pytest.raises(AssertionError, match="a step in flight fills"):
+    with pytest.raises(EngineContractError, match="a step in flight fills"):
         s.kv_cache_manager.coordinator.remove_skipped_blocks("a", len(PROMPT))
 
 

@@ -63,7 +63,12 @@ from vllm.v1.core.kv_cache_utils import (  # noqa: E402
 )
 
 from kvguard.block import PendingPublication  # noqa: E402
-from kvguard.errors import IllegalTransitionError, OutOfBlocksError, PoolMisuseError  # noqa: E402
+from kvguard.errors import (  # noqa: E402
+    ConsistencyError,
+    IllegalTransitionError,
+    OutOfBlocksError,
+    PoolMisuseError,
+)
 from kvguard.events import BlockRemoved as CoreBlockRemoved  # noqa: E402
 from kvguard.fast_path import fill_notes  # noqa: E402
 from kvguard.hashing import BlockHash  # noqa: E402
@@ -215,7 +220,8 @@ class GuardedBlockPool(BlockPool):
             block.pool = handle
         self.null_block = self.blocks[null_id]
         self.null_block.is_null = True
-        assert null_id == 0, "null block must be block 0"
+        if null_id != 0:
+            raise ConsistencyError(f"kvguard handed out block {null_id} first, not block 0")
         # The noting loop of cache_full_blocks in C, when kvguard's extension is built.
         self._fill_notes: FillNotes | None = fill_notes(GuardedKVCacheBlock, _WRITTEN)
         self.get_num_free_blocks = core.get_num_free_blocks
@@ -502,7 +508,8 @@ class GuardedBlockPool(BlockPool):
         blocks a load writes into (WRITTEN) and those a store reads. A block that is
         not cached has one owner in kvguard (its request), so such a pin is a reference
         kvguard does not count, as for :meth:`retain_for_copy`: the first of the two
-        releases is skipped and the block stays held until the second."""
+        releases is skipped and the block stays held until the second (vLLM's
+        :meth:`is_block_writable` counts it, as vLLM's ``ref_cnt`` would)."""
         ids = [b.block_id for b in blocks if not b.is_null]
         try:
             self.core.acquire_blocks(ids)
@@ -578,6 +585,18 @@ class GuardedBlockPool(BlockPool):
         self.core.disown_reference(block.block_id)
         block_id = block.block_id
         self.retentions[block_id] = self.retentions.get(block_id, 0) + 1
+
+    def is_block_writable(self, block: KVCacheBlock) -> bool:
+        """vLLM's question before it moves a block within its request's table (0.34's
+        Mamba speculative relocation asserts it): one owner, no entry. Answered as
+        vLLM's own pool would: a reference kvguard keeps apart from ``ref_cnt`` (a
+        connector's pin, a copy-on-write's: :attr:`retentions`) is a second owner, and
+        an entry inside the block (:attr:`tails`) is a hash. (A full block's key noted
+        in the :attr:`ledger` is not looked up: a step in flight may still hold one for
+        a block its request released since.)"""
+        if block.is_null or block.ref_cnt != 1 or block.block_hash is not None:
+            return False
+        return block.block_id not in self.retentions and block.block_id not in self.tails
 
     def _pin_held(self, block_ids: list[int]) -> None:
         """:meth:`touch` of blocks some of which are not cached: acquire the cached
@@ -796,24 +815,40 @@ class GuardedBlockPool(BlockPool):
     # ------------------------------------------------------------------ checks
 
     def check_consistency(self) -> None:
-        """Assert what vLLM sees agrees with kvguard (tests; debugging): kvguard's
-        invariants hold, vLLM's block list is kvguard's records (each naming this
-        pool), block 0 alone is the null block and stays held and uncached, and every
-        publication still held back is for a block its step is writing."""
+        """Check that what vLLM sees agrees with kvguard (tests; debugging): kvguard's
+        invariants hold (else :class:`~kvguard.errors.InvariantViolation`), vLLM's
+        block list is kvguard's records (each naming this pool), block 0 alone is the
+        null block and stays held and uncached, and every publication still held back
+        is for a block its step is writing. Raises :class:`~kvguard.errors.
+        ConsistencyError` naming every disagreement found: a kvguard bug, never a
+        caller's."""
         core = self.core
         core.check_invariants()
-        assert self.blocks is core.block_records, "vLLM's blocks are not kvguard's records"
+        blocks = self.blocks
+        null = self.null_block
+        broken = []
+        if blocks is not core.block_records:
+            broken.append("vLLM's blocks are not kvguard's records")
         handle = self._pool_handle
-        assert all(block.pool is handle for block in self.blocks), "a block names another pool"
-        assert self.null_block is self.blocks[0] and self.null_block.is_null
-        assert not any(block.is_null for block in self.blocks[1:]), "a second null block"
-        assert self.null_block.state is BlockState.ALLOCATED and self.null_block.ref_cnt >= 1
+        broken += [f"block {b.block_id} names another pool" for b in blocks if b.pool is not handle]
+        if null is not blocks[0] or not null.is_null:
+            broken.append(f"the null block is block {null.block_id}, not block 0")
+        broken += [f"block {b.block_id} is a second null block" for b in blocks[1:] if b.is_null]
+        if null.state is not BlockState.ALLOCATED or null.ref_cnt < 1:
+            broken.append(f"the null block is {null.state.name}, ref_cnt={null.ref_cnt}")
         for block_id in self.ledger.held_blocks():
-            state = self.blocks[block_id].state
-            assert state is _WRITTEN, f"block {block_id} held for publication is {state.name}"
+            state = blocks[block_id].state
+            if state is not _WRITTEN:
+                broken.append(f"block {block_id} held for publication is {state.name}")
         for block_id in self.tails:
-            block = self.blocks[block_id]
-            assert block.ref_cnt and block.state in (_WRITTEN, BlockState.QUARANTINED), (
-                f"block {block_id} with an entry inside it is {block.state.name}, "
-                f"ref_cnt={block.ref_cnt}"
+            block = blocks[block_id]
+            if not block.ref_cnt or block.state not in (_WRITTEN, BlockState.QUARANTINED):
+                broken.append(
+                    f"block {block_id} with an entry inside it is {block.state.name}, "
+                    f"ref_cnt={block.ref_cnt}"
+                )
+        if broken:
+            raise ConsistencyError(
+                "GuardedBlockPool.check_consistency: vLLM's view of the pool and "
+                "kvguard's disagree (a kvguard bug): " + "; ".join(broken)
             )

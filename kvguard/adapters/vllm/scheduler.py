@@ -46,7 +46,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 from kvguard.adapters.vllm._compat import require_supported_vllm, series_of
-from kvguard.errors import RollbackError
+from kvguard.errors import EngineContractError, RollbackError
 from kvguard.hashing import BlockHash
 from kvguard.results import SlotRange
 from kvguard.zeroing import ZeroPolicy
@@ -409,7 +409,8 @@ class _GuardMixin:
         may be someone else's); either way they leave that step's record. A block
         whose cached tokens reach past what kvguard's ledger counts as reported is
         one a step in flight may still write: vLLM's contract is broken, and the
-        blocks are quarantined (an assertion under ``check_invariants``).
+        blocks are quarantined (under ``check_invariants``: :class:`~kvguard.errors.
+        EngineContractError`).
         """
         ledger = self._kvguard_ledger
         carried = ledger.carried.fills.get(request_id)
@@ -423,7 +424,12 @@ class _GuardMixin:
             unreported = sorted(b for b in in_flight if blocks[b].num_hash_tokens > reported)
             if unreported:
                 message = f"the window freed blocks {unreported} that a step in flight fills"
-                assert not (clean and pool.guard.check_invariants), message
+                if clean and pool.guard.check_invariants:
+                    raise EngineContractError(
+                        f"kvguard: {message} (request {request_id!r}, {reported} tokens "
+                        "reported): vLLM frees a window only below a request's processed "
+                        "tokens"
+                    )
                 if not self.kvguard_metrics.window_contract_breaks:
                     logger.warning("kvguard: %s; they are quarantined", message)
                 self.kvguard_metrics.window_contract_breaks += 1

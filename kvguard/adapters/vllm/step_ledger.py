@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvguard.block import PendingPublication
+from kvguard.errors import ConsistencyError
 
 
 @dataclass(slots=True, eq=False)
@@ -188,7 +189,11 @@ class StepLedger:
         """The step is scheduled (``token``: its SchedulerOutput): it goes in flight,
         taking over the carried fills of the requests it schedules."""
         record = self.scheduling
-        assert record is not None, "seal() without open()"
+        if record is None:
+            raise ConsistencyError(
+                "StepLedger.seal() without open(): the guarded scheduler sealed a step it "
+                "never opened"
+            )
         self.scheduling = None
         self.noting = self.noted.publications
         record.token = token

@@ -31,9 +31,8 @@ Run: ``HF_HUB_OFFLINE=1 VLLM_TARGET_DEVICE=cpu python -m pytest tests/vllm/upstr
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -43,6 +42,9 @@ import vllm
 
 from kvguard.adapters.vllm._compat import series_of
 from tools.fetch_vllm_tests import FetchError, missing_copies, read_pins
+
+from . import expected_failure
+from .expected_failure import ExpectedFailure
 
 _HERE = "tests/vllm/upstream/"
 
@@ -259,12 +261,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def mark_guarded_item(
     item: pytest.Item,
     key: str,
-    expected_failures: dict[str, tuple[Any, str]],
+    expected_failures: Mapping[str, ExpectedFailure],
 ) -> None:
     """A vendored v0_34 test collected again under the guard (``key``:
     ``"test_x.py::test_f[params]"``): the stock run's skip (:data:`SKIPPED`), else its
-    strict expected failure, by test or by parametrization, from ``expected_failures``
-    (name -> (the exception it fails with, why))."""
+    strict expected failure, by test or by parametrization, from ``expected_failures``:
+    its exception and message, anything else a real failure (:mod:`.expected_failure`)."""
     test = key.split("[", 1)[0]
     skip = SKIPPED.get(f"v0_34/{test}")
     if skip is not None:
@@ -272,5 +274,4 @@ def mark_guarded_item(
         return
     expected = expected_failures.get(key) or expected_failures.get(test)
     if expected is not None:
-        raises, reason = expected
-        item.add_marker(pytest.mark.xfail(reason=reason, raises=raises, strict=True))
+        expected_failure.mark(item, expected)
