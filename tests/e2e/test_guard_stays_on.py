@@ -58,8 +58,8 @@ def plugin_patches_undone() -> Iterator[pytest.MonkeyPatch]:
     mp = pytest.MonkeyPatch()
     try:
         undo_plugin_patches_with(mp)
-        mp.setattr(plugin, "_active", False, raising=False)
-        mp.setattr(plugin, "_by_config", False, raising=False)
+        mp.setattr(plugin, "_active", False)
+        mp.setattr(plugin, "_by_config", False)
         for key in UNSET:
             mp.delenv(key, raising=False)
         plugin.register()  # the start-up hooks (vLLM loaded the plugin before, too)

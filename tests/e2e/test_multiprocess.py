@@ -57,7 +57,9 @@ def _engine(model_dir: str, guard: bool, log: Path) -> Any:
             llm = LLM(model=model_dir, **ENGINE_KWARGS)
     finally:
         restore_env(saved)
-    assert type(llm.llm_engine.engine_core).__name__ == "SyncMPClient"
+    if type(llm.llm_engine.engine_core).__name__ != "SyncMPClient":
+        shutdown(llm)
+        raise AssertionError(f"not vLLM's multiprocess engine: {llm.llm_engine.engine_core!r}")
     return llm
 
 

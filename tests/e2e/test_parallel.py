@@ -80,7 +80,11 @@ def _build(model_dir: str, layout: str, **kwargs: Any) -> Any:
             llm = LLM(model=model_dir, **ENGINE_KWARGS, **LAYOUTS[layout], **kwargs)
     finally:
         restore_env(saved)
-    llm.collective_rpc(_allocate_stage_input)
+    try:
+        llm.collective_rpc(_allocate_stage_input)
+    except BaseException:
+        shutdown(llm)  # (its worker processes)
+        raise
     return llm
 
 
@@ -113,9 +117,11 @@ def layout(request: pytest.FixtureRequest) -> str:
 def stock(model_dir: str, reference: Any, layout: str) -> Iterator[Any]:
     with kvguard_log() as START_UP_LOG[layout, "stock"]:
         llm = _build(model_dir, layout)
-    assert type(scheduler(llm)).__name__ == "Scheduler"
-    yield llm
-    shutdown(llm)
+    try:  # (its workers stopped however the fixture is left)
+        assert type(scheduler(llm)).__name__ == "Scheduler"
+        yield llm
+    finally:
+        shutdown(llm)
 
 
 @pytest.fixture(scope="class")
@@ -123,9 +129,11 @@ def guarded(model_dir: str, reference: Any, layout: str, stock: Any) -> Iterator
     with guard_in_this_process():
         with kvguard_log() as START_UP_LOG[layout, "guarded"]:
             llm = _build(model_dir, layout)
-        assert type(scheduler(llm)).__name__ == "GuardedScheduler"
-        yield llm
-        shutdown(llm)
+        try:
+            assert type(scheduler(llm)).__name__ == "GuardedScheduler"
+            yield llm
+        finally:
+            shutdown(llm)
 
 
 def both(stock: Any, guarded: Any) -> list[tuple[str, Any]]:
