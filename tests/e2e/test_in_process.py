@@ -184,8 +184,12 @@ def test_quarantined_blocks_are_zeroed_before_reuse(
 
 
 def test_no_matchable_block_holds_a_non_finite_value(stock: Any, guarded: Any) -> None:
-    """After every scenario above: the stock engine's prefix cache serves NaN KV, the
-    guarded engine's serves none (a scan of the whole KV cache)."""
+    """After a NaN in a prompt's second chunk (and whatever other tests ran on the
+    engines before): the stock engine's prefix cache serves NaN KV, the guarded
+    engine's serves none (a scan of the whole KV cache)."""
+    a = with_token(tokens(50, 158), 100, trigger(0))  # (a position of its own)
+    for llm in (stock, guarded):
+        generate(llm, [a])
     assert matchable_blocks(stock) & non_finite_blocks(stock)
     assert matchable_blocks(guarded)
     assert not matchable_blocks(guarded) & non_finite_blocks(guarded)

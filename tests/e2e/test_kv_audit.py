@@ -76,6 +76,7 @@ def test_nan_written_into_kv_after_attention_is_caught_only_by_the_audit(
     (ref_y,) = generate(reference, [y], max_tokens=4)
     for name in ("stock", "guarded", "audited"):
         llm = engines[name]
+        before = scheduler(llm).kvguard_stats() if name == "audited" else {}
         arm_late_nan(llm, [63])
         (x_out,) = generate(llm, [x], max_tokens=1)
         (poisoned,) = late_nan_blocks(llm)[-1:]
@@ -86,9 +87,10 @@ def test_nan_written_into_kv_after_attention_is_caught_only_by_the_audit(
             assert y_out.finish_reason == "length"
             assert y_out.num_cached_tokens == 0
             assert not non_finite_blocks(llm)  # the poisoned block was zeroed for y
-            stats = scheduler(llm).kvguard_stats()
-            assert stats["requests_failed_audit"] == 1
-            assert stats["blocks_audited"] == 2 + 2  # the blocks x and y filled, no more
+            stats = scheduler(llm).kvguard_stats()  # (counted since the engine started)
+            assert stats["requests_failed_audit"] - before["requests_failed_audit"] == 1
+            # The blocks x and y filled, no more.
+            assert stats["blocks_audited"] - before["blocks_audited"] == 2 + 2
             continue
         # Missed: x finished clean, its poisoned block was published and served to y.
         assert x_out.finish_reason == "length", name
