@@ -43,7 +43,9 @@ class IllegalTransitionError(PoolMisuseError):
 
 
 class UnknownRequestError(PoolMisuseError, KeyError):
-    """No request with that id is open in the pool (never added, or freed already)."""
+    """No request with that id is open in the pool (never added, or freed already).
+    Also a ``KeyError``: a lookup by request id fails as a mapping's does, for code that
+    catches that."""
 
     def __init__(self, request_id: str, message: str | None = None) -> None:
         self.request_id = request_id
