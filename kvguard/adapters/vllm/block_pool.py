@@ -587,9 +587,9 @@ class GuardedBlockPool(BlockPool):
         self.retentions[block_id] = self.retentions.get(block_id, 0) + 1
 
     def is_block_writable(self, block: KVCacheBlock) -> bool:
-        """vLLM's question before it moves a block within its request's table (0.34's
-        Mamba speculative relocation asserts it): one owner, no entry. Answered as
-        vLLM's own pool would: a reference kvguard keeps apart from ``ref_cnt`` (a
+        """vLLM's question before it moves a block within its request's table (its Mamba
+        speculative relocation asserts it, 0.32 to 0.34): one owner, no entry. Answered
+        as vLLM's own pool would: a reference kvguard keeps apart from ``ref_cnt`` (a
         connector's pin, a copy-on-write's: :attr:`retentions`) is a second owner, and
         an entry inside the block (:attr:`tails`) is a hash. (A full block's key noted
         in the :attr:`ledger` is not looked up: a step in flight may still hold one for
@@ -831,8 +831,10 @@ class GuardedBlockPool(BlockPool):
             broken.append("vLLM's blocks are not kvguard's records")
         handle = self._pool_handle
         broken += [f"block {b.block_id} names another pool" for b in blocks if b.pool is not handle]
-        if null is not blocks[0] or not null.is_null:
+        if null is not blocks[0]:
             broken.append(f"the null block is block {null.block_id}, not block 0")
+        elif not null.is_null:
+            broken.append("block 0, the null block, is not marked null")
         broken += [f"block {b.block_id} is a second null block" for b in blocks[1:] if b.is_null]
         if null.state is not BlockState.ALLOCATED or null.ref_cnt < 1:
             broken.append(f"the null block is {null.state.name}, ref_cnt={null.ref_cnt}")
