@@ -139,6 +139,13 @@ def kvguard_log() -> Iterator[list[logging.LogRecord]]:
     in-process engine's start-up line, its abort warnings. kvguard logs under vLLM's
     logger (``vllm.kvguard...``), which stops propagating to pytest's ``caplog``
     once vLLM configured logging: caught there."""
+    from vllm.config.logging import LoggingConfig
+    from vllm.logger import configure_logging_if_needed
+
+    # vLLM applies its logging configuration at the first engine build of a process
+    # (``dictConfig``, which drops the handlers of the ``vllm`` logger's children,
+    # this one's among them): applied now, an engine built inside keeps the capture.
+    configure_logging_if_needed(LoggingConfig())
     records: list[logging.LogRecord] = []
     handler = _Records(records)
     logger = logging.getLogger("vllm.kvguard")
