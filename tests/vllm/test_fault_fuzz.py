@@ -1696,7 +1696,7 @@ def test_random_fault_traces_on_hybrid_models_keep_every_promise(
 
     Not run on hybrids: offloading (kvguard holds a Mamba state back when vLLM offers
     it to a connector, ``boundary_state_offloads``, so no state reaches the CPU tier --
-    docs/vllm.md's limitations -- and the attention half is what the offloading traces
+    docs/vllm-reference.md's limits -- and the attention half is what the offloading traces
     check), and speculative decoding (Mamba groups take drafts only through the
     model's speculative state blocks, ``num_speculative_blocks``, with MTP/EAGLE
     drafters whose accepted-token state copies the worker makes after the step:

@@ -22,7 +22,7 @@ quarantined).
 
 Supported KV cache groups: full attention (MHA, GQA, MLA), sliding window, chunked
 local and R-SWA (the guarded scheduler validates the blocks a window, local chunk or
-R-SWA gap frees, see docs/vllm.md), cross-attention and circular buffers (never
+R-SWA gap frees, see docs/vllm-reference.md), cross-attention and circular buffers (never
 published: freed plainly after a clean step, else quarantined), and Mamba / gated-delta-
 net state (its boundary checkpoints held back like attention blocks), with partial-block
 prefix hits (``hash_block_size < block_size``: entries inside a block wait until nothing
@@ -92,7 +92,7 @@ def group_suffix(group_id: int) -> bytes:
 
 
 class GuardModeUnsupported(NotImplementedError):
-    """A vLLM path the guarded pool does not cover (documented in docs/vllm.md)."""
+    """A vLLM path the guarded pool does not cover (documented in docs/vllm-reference.md)."""
 
 
 class PartialEntryError(PoolMisuseError, AssertionError):

@@ -61,8 +61,8 @@ until nothing changes what it covers (see ``GuardedBlockPool.cache_partial_block
 
 _RUN_UNGUARDED = (
     "Run this model without the guard (KVGUARD_GUARD=0, or --additional-config "
-    """'{"kvguard": {"enabled": false}}'): vLLM's own KV cache, unguarded. docs/vllm.md """
-    "lists the KV cache groups the guard covers."
+    """'{"kvguard": {"enabled": false}}'): vLLM's own KV cache, unguarded. """
+    "docs/vllm-reference.md lists the KV cache groups the guard covers."
 )
 
 REFUSED_MANAGERS: dict[str, str] = {

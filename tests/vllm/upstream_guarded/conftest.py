@@ -222,7 +222,7 @@ REFUSED_CONFIGURATIONS: dict[str, ExpectedFailure] = {
         ("test_scheduler.py", "test_delayed_kv_connector_free_keeps_scheduler_active"),
     ]
 }
-"""Configurations the guard refuses at start-up, by design (docs/vllm.md)."""
+"""Configurations the guard refuses at start-up, by design (docs/vllm-reference.md)."""
 
 EXPECTED_FAILURES = {**LATER_PUBLICATION, **INTERNALS, **REFUSED_CONFIGURATIONS}
 

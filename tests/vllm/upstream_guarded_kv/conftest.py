@@ -136,7 +136,7 @@ LATER_PUBLICATION: dict[str, ExpectedFailure] = {
         "(take_boundary_state_offloads), skipping the blocks that have no hash when "
         "cache_full_blocks returns: kvguard gives a block its key once the step that "
         "filled it validated (here: when allocate_slots returned), so no state is "
-        "offered and the request has no entry (a known limitation, docs/vllm.md: hybrid "
+        "offered and the request has no entry (a known limitation, docs/vllm-reference.md: hybrid "
         "models' states are not offloaded)",
     ),
     f"{_PREFIX}test_block_stored_event_group_idx_multiple_groups": ExpectedFailure(
