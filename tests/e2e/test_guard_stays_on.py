@@ -51,6 +51,8 @@ UNSET = ("KVGUARD_GUARD", "VLLM_COMPUTE_NANS_IN_LOGITS")
 def plugin_patches_undone() -> Iterator[pytest.MonkeyPatch]:
     """What the plugin changes in this process when an engine's config switches the
     guard on (vLLM classes, the environment, its own state) is put back on exit."""
+    from vllm.plugins import load_general_plugins
+
     from kvguard.adapters.vllm import plugin
 
     from .conftest import undo_plugin_patches_with
@@ -62,6 +64,9 @@ def plugin_patches_undone() -> Iterator[pytest.MonkeyPatch]:
         mp.setattr(plugin, "_by_config", False)
         for key in UNSET:
             mp.delenv(key, raising=False)
+        # vLLM loads its plugins once per process, at its first engine build: loaded
+        # now, that load cannot put back what a test takes out below.
+        load_general_plugins()
         plugin.register()  # the start-up hooks (vLLM loaded the plugin before, too)
         yield mp
     finally:
