@@ -19,7 +19,7 @@ ROWS = (
 
 
 def run_quick(*args: str) -> str:
-    return run_benchmark("pool_ops.py", "--quick", *args, timeout=120)
+    return run_benchmark("pool_ops.py", "--quick", *args)
 
 
 def row(out: str, name: str) -> list[str]:
@@ -52,7 +52,7 @@ def test_quick_kvguard_only() -> None:
 
 def test_pool_build_runs() -> None:
     """``benchmarks/pool_build.py`` on a small pool: a time and a size per side."""
-    out = run_benchmark("pool_build.py", "--blocks", "2000", "--repeats", "1", timeout=120)
+    out = run_benchmark("pool_build.py", "--blocks", "2000", "--repeats", "1")
     line = next(line for line in out.splitlines() if line.startswith("kvguard "))
     _, took, _, size, _ = line.split()
     assert is_figure(took) and 40 < float(size) < 1000

@@ -35,7 +35,7 @@ def test_quick_run_times_every_row() -> None:
     side zeroes exactly the named blocks), or skipped and said so without triton. The
     rows' shape is checked, never their speed."""
     env = {"TRITON_INTERPRET": "1" if HAS_TRITON else None}
-    out = run_benchmark("block_zeroing.py", "--quick", timeout=120, env=env)
+    out = run_benchmark("block_zeroing.py", "--quick", env=env)
     assert "machine: " in out
     for cache in ("tiny-fp32", "tiny-bf16", "llama8b-bf16"):
         for count in (1, 8, 64):

@@ -19,7 +19,6 @@ def test_one_pair_stock_and_guarded() -> None:
         "vllm_engine.py",
         *("--engines", "1", "--rounds", "1", "--requests", "8", "--output-tokens", "8"),
         *("--turn-steps", "4"),
-        timeout=300,
     )
     assert "schedulers: stock Scheduler, guarded GuardedScheduler" in out
     assert "outputs identical on both engines: yes" in out

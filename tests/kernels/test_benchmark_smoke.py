@@ -16,9 +16,7 @@ pytest.importorskip("triton")
 
 def _run(*args: str, interpret: bool) -> str:
     interpreter = "1" if interpret and not ON_GPU else None
-    return run_benchmark(
-        "kernels.py", "--quick", *args, timeout=240, env={"TRITON_INTERPRET": interpreter}
-    )
+    return run_benchmark("kernels.py", "--quick", *args, env={"TRITON_INTERPRET": interpreter})
 
 
 ROWS = [

@@ -207,6 +207,13 @@ def test_a_crash_is_one_line_and_its_own_exit_code(
         main([*CI_RUN, "--no-progress", "--out", str(tmp_path)])
 
 
+def _sigint_by_default() -> None:
+    """In the child before it runs Python: SIGINT's default disposition. A suite started
+    in the background by a non-interactive shell (``cmd &``) inherits SIGINT ignored,
+    and Python then installs no KeyboardInterrupt handler: Ctrl-C would be a no-op."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_stops_cleanly_and_says_so(tmp_path: Path) -> None:
     long_run = [*CI_RUN, "--requests", "5000", "--out", str(tmp_path), "--no-progress"]
     with subprocess.Popen(
@@ -214,6 +221,7 @@ def test_ctrl_c_stops_cleanly_and_says_so(tmp_path: Path) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_sigint_by_default,  # (no threads here: preexec_fn is safe)
     ) as proc:
         assert proc.stderr is not None
         try:

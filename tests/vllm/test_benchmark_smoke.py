@@ -43,9 +43,7 @@ def test_pool_ops_quick_against_vllm() -> None:
     ],
 )
 def test_scheduler_benchmark_runs_both_schedulers_on_one_trace(mode: list[str]) -> None:
-    out = run_benchmark(
-        "vllm_scheduler.py", "--requests", "12", "--rounds", "2", *mode, timeout=300
-    )
+    out = run_benchmark("vllm_scheduler.py", "--requests", "12", "--rounds", "2", *mode)
     assert len(re.findall(r"^round \d: \d+ steps", out, re.M)) == 2
     second = "stock#2" if "--control" in mode else "guarded"
     ratio = re.search(rf"ratio {second}/stock = (\d+\.\d+)", out)
