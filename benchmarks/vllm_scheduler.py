@@ -77,7 +77,7 @@ with warnings.catch_warnings():
     from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
     from vllm.v1.structured_output import StructuredOutputManager
 
-    from kvguard.adapters.vllm.scheduler import GuardedAsyncScheduler, GuardedScheduler
+    from kvguard.adapters.vllm.scheduler.guarded import GuardedAsyncScheduler, GuardedScheduler
     from tests.vllm.harness import (
         BLOCK,
         connector_output,
@@ -126,9 +126,7 @@ def simple_cpu_scheduler(guarded: bool, args: argparse.Namespace, num_blocks: in
     connector = KVTransferConfig(
         kv_connector=name,
         kv_role="kv_both",
-        kv_connector_module_path=(
-            "kvguard.adapters.vllm.simple_cpu_offloading" if guarded else None
-        ),
+        kv_connector_module_path=("kvguard.adapters.vllm.exits.simple_cpu" if guarded else None),
         kv_connector_extra_config={
             "cpu_bytes_to_use": spec.page_size_bytes * cpu_blocks,
             "num_cpu_blocks": cpu_blocks,
@@ -373,7 +371,7 @@ def main() -> None:
     if args.spec_tokens:
         # The guarded scheduler takes drafts only where the plugin makes vLLM's workers
         # count NaNs per request (docs/vllm.md, "Speculative decoding"): what it does.
-        from kvguard.adapters.vllm import worker_nans
+        from kvguard.adapters.vllm.workers import nans as worker_nans
 
         os.environ["KVGUARD_GUARD"] = "1"
         worker_nans.install()

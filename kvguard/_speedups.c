@@ -1103,7 +1103,7 @@ static PyTypeObject FastPathType = {
 
 /* FillNotes: the vLLM adapter's noting of the blocks a step being scheduled fills.
  *
- * GuardedBlockPool.cache_full_blocks (kvguard/adapters/vllm/block_pool.py) does not
+ * GuardedBlockPool.cache_full_blocks (kvguard/adapters/vllm/pool/block_pool.py) does not
  * publish a full block while the step that fills it is being scheduled: it notes the
  * block as filled by that step and the publication it is due, (key, parent key,
  * owner), for the step's output to validate. note() does that loop for the common

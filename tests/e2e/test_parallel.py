@@ -32,8 +32,8 @@ from .conftest import HAVE_ENGINE, SKIP_REASON
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not HAVE_ENGINE, reason=SKIP_REASON)]
 
 if HAVE_ENGINE:
-    from kvguard.adapters.vllm.worker_audit import AUDIT_FIELD
-    from kvguard.adapters.vllm.worker_slots import SLOTS_FIELD
+    from kvguard.adapters.vllm.workers.audit import AUDIT_FIELD
+    from kvguard.adapters.vllm.workers.slots import SLOTS_FIELD
     from kvguard.results import SlotRange
 
     from .conftest import guard_in_this_process, in_process, kvguard_log, shutdown

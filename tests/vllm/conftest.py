@@ -30,7 +30,7 @@ def per_request_nans(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """What kvguard's plugin does with ``KVGUARD_GUARD=1`` for speculative decoding:
     vLLM's model runners count NaNs per request (``worker_nans.install``), which lets
     the guarded scheduler take drafts. Undone after the test."""
-    from kvguard.adapters.vllm import worker_nans
+    from kvguard.adapters.vllm.workers import nans as worker_nans
 
     monkeypatch.setenv("KVGUARD_GUARD", "1")
     undo_runner_patches_after(monkeypatch)

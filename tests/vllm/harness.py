@@ -59,7 +59,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvguard.adapters.vllm._compat import runner_output_rows
-from kvguard.adapters.vllm.scheduler import GuardedAsyncScheduler, GuardedScheduler
+from kvguard.adapters.vllm.scheduler.guarded import GuardedAsyncScheduler, GuardedScheduler
 
 BLOCK = 16
 
@@ -476,7 +476,7 @@ def transfer_config(
         "kv_connector": connector,
         "kv_role": "kv_both",
         "kv_connector_module_path": (
-            "kvguard.adapters.vllm.offloading" if connector.startswith("Guarded") else None
+            "kvguard.adapters.vllm.exits.offloading" if connector.startswith("Guarded") else None
         ),
         "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes},
     }

@@ -56,8 +56,11 @@ def undo_runner_patches_after(monkeypatch: pytest.MonkeyPatch) -> None:
 
     import vllm.v1.worker.gpu.model_runner as v2_runner
 
-    from kvguard.adapters.vllm import worker_audit, worker_nans, worker_slots, worker_zeroing
     from kvguard.adapters.vllm._compat import has_v1_model_runner
+    from kvguard.adapters.vllm.workers import audit as worker_audit
+    from kvguard.adapters.vllm.workers import nans as worker_nans
+    from kvguard.adapters.vllm.workers import slots as worker_slots
+    from kvguard.adapters.vllm.workers import zeroing as worker_zeroing
 
     monkeypatch.setattr(worker_nans.PATCHES, "applied", False)
     monkeypatch.setattr(worker_slots.PATCHES, "applied", False)

@@ -36,7 +36,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from kvguard.adapters.vllm import GuardedBlockPool, GuardModeUnsupported, plugin  # noqa: E402
-from kvguard.adapters.vllm.scheduler import GuardedScheduler  # noqa: E402
+from kvguard.adapters.vllm.scheduler.guarded import GuardedScheduler  # noqa: E402
 
 from .harness import (  # noqa: E402
     BLOCK,

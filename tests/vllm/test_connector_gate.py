@@ -1,6 +1,6 @@
 """kvguard's gate for any KV connector, on vLLM's real scheduler and connectors:
 
-* every connector vLLM ships is known to :data:`~kvguard.adapters.vllm.connector_gate.COVERAGE`
+* every connector vLLM ships is known to :data:`~kvguard.adapters.vllm.exits.coverage.COVERAGE`
   (a new one fails here), and those that save KV during the forward refuse the start,
   by name, before vLLM builds them;
 * the request-finished gate, on vLLM's real ``NixlConnector`` (prefill side): a request
@@ -32,15 +32,15 @@ from vllm.distributed.kv_transfer.kv_connector import factory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 
 from kvguard.adapters.vllm import plugin  # noqa: E402
-from kvguard.adapters.vllm import scheduler as scheduler_module  # noqa: E402
 from kvguard.adapters.vllm.config import GuardConfigError  # noqa: E402
-from kvguard.adapters.vllm.connector_gate import (  # noqa: E402
+from kvguard.adapters.vllm.exits.coverage import (  # noqa: E402
     COVERAGE,
     DECLARED,
     Exit,
     coverage_of,
     refuse_ungated,
 )
+from kvguard.adapters.vllm.scheduler import guarded as scheduler_module  # noqa: E402
 
 from .harness import BLOCK, make_request, make_scheduler, model_output, records_of  # noqa: E402
 
@@ -159,7 +159,7 @@ def test_the_setting_that_makes_a_connector_gateable(
 @pytest.fixture
 def log(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """``caplog`` gets what the guarded scheduler and the connector log."""
-    from kvguard.adapters.vllm import connector_gate
+    from kvguard.adapters.vllm.exits import coverage as connector_gate
 
     with records_of([scheduler_module.logger, connector_gate.logger], caplog, monkeypatch):
         yield

@@ -30,7 +30,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvguard.adapters.vllm import plugin  # noqa: E402
 from kvguard.adapters.vllm.config import GuardConfigError  # noqa: E402
-from kvguard.adapters.vllm.example_connector import TIER, GuardedExampleConnector  # noqa: E402
+from kvguard.adapters.vllm.exits.example_connector import TIER, GuardedExampleConnector  # noqa: E402
 
 from .harness import BLOCK, make_request, make_scheduler, model_output  # noqa: E402
 from .plugin_patches import undo_plugin_patches_after  # noqa: E402
@@ -48,7 +48,7 @@ def _config(storage: Path, *, guarded: bool = True, multi: bool = False) -> KVTr
         "kv_connector_extra_config": {"shared_storage_path": str(storage)},
     }
     if guarded:
-        child["kv_connector_module_path"] = "kvguard.adapters.vllm.example_connector"
+        child["kv_connector_module_path"] = "kvguard.adapters.vllm.exits.example_connector"
     if multi:
         return KVTransferConfig(
             kv_connector="MultiConnector",

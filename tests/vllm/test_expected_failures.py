@@ -17,8 +17,8 @@ import pytest
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
-from kvguard.adapters.vllm.block_pool import GuardedBlockPool, PartialEntryError  # noqa: E402
 from kvguard.adapters.vllm.config import GuardConfig  # noqa: E402
+from kvguard.adapters.vllm.pool.block_pool import GuardedBlockPool, PartialEntryError  # noqa: E402
 from kvguard.errors import (  # noqa: E402
     ConsistencyError,
     KvGuardError,
@@ -105,7 +105,7 @@ def test_an_expected_failure_cannot_accept_everything() -> None:
 
 
 _MODULE = """
-from kvguard.adapters.vllm.block_pool import GuardedBlockPool, PartialEntryError
+from kvguard.adapters.vllm.pool.block_pool import GuardedBlockPool, PartialEntryError
 from kvguard.adapters.vllm.config import GuardConfig
 
 

@@ -104,9 +104,9 @@ from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata  #
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from kvguard import BlockHash, BlockState  # noqa: E402
-from kvguard.adapters.vllm.example_connector import TIER as STORAGE_TIER  # noqa: E402
-from kvguard.adapters.vllm.example_connector import GuardedExampleConnector  # noqa: E402
-from kvguard.adapters.vllm.scheduler import GuardedAsyncScheduler, GuardedScheduler  # noqa: E402
+from kvguard.adapters.vllm.exits.example_connector import TIER as STORAGE_TIER  # noqa: E402
+from kvguard.adapters.vllm.exits.example_connector import GuardedExampleConnector  # noqa: E402
+from kvguard.adapters.vllm.scheduler.guarded import GuardedAsyncScheduler, GuardedScheduler  # noqa: E402
 
 from .harness import (  # noqa: E402
     BLOCK,
@@ -1551,7 +1551,7 @@ def _storage_config(path: Path, *, multi: bool) -> KVTransferConfig:
     child = {
         "kv_connector": "GuardedExampleConnector",
         "kv_role": "kv_both",
-        "kv_connector_module_path": "kvguard.adapters.vllm.example_connector",
+        "kv_connector_module_path": "kvguard.adapters.vllm.exits.example_connector",
         "kv_connector_extra_config": {"shared_storage_path": str(path)},
     }
     if multi:
@@ -1599,7 +1599,7 @@ def _simple_cpu_scheduler(
     child = {
         "kv_connector": "GuardedSimpleCPUOffloadConnector",
         "kv_role": "kv_both",
-        "kv_connector_module_path": "kvguard.adapters.vllm.simple_cpu_offloading",
+        "kv_connector_module_path": "kvguard.adapters.vllm.exits.simple_cpu",
         "kv_connector_extra_config": {
             "cpu_bytes_to_use": sum(pages) * cpu_blocks,
             "num_cpu_blocks": cpu_blocks,

@@ -23,14 +23,14 @@ from vllm.v1.core import single_type_kv_cache_manager as vllm_managers  # noqa: 
 
 from kvguard import BlockState  # noqa: E402
 from kvguard.adapters.vllm._compat import series_of  # noqa: E402
-from kvguard.adapters.vllm.block_pool import GuardModeUnsupported  # noqa: E402
-from kvguard.adapters.vllm.manager import (  # noqa: E402
+from kvguard.adapters.vllm.pool.block_pool import GuardModeUnsupported  # noqa: E402
+from kvguard.adapters.vllm.pool.manager import (  # noqa: E402
     GUARDED_MANAGERS,
     REFUSED_MANAGERS,
     group_refusal,
     refuse_unguarded_groups,
 )
-from kvguard.adapters.vllm.scheduler import GuardedScheduler  # noqa: E402
+from kvguard.adapters.vllm.scheduler.guarded import GuardedScheduler  # noqa: E402
 
 from . import harness  # noqa: E402
 from .harness import (  # noqa: E402

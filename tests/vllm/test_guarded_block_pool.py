@@ -17,8 +17,8 @@ from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 from vllm.v1.core.single_type_kv_cache_manager import MambaManager  # noqa: E402
 
 from kvguard import BlockHash, BlockState, DoubleFreeError, fast_path  # noqa: E402
-from kvguard.adapters.vllm.block_pool import GuardedBlockPool  # noqa: E402
 from kvguard.adapters.vllm.config import GuardConfig  # noqa: E402
+from kvguard.adapters.vllm.pool.block_pool import GuardedBlockPool  # noqa: E402
 from kvguard.block import PendingPublication  # noqa: E402
 from kvguard.errors import ConsistencyError, CorruptionError  # noqa: E402
 

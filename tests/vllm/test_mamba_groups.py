@@ -19,7 +19,7 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
 from kvguard import BlockState  # noqa: E402
-from kvguard.adapters.vllm.block_pool import PartialEntryError  # noqa: E402
+from kvguard.adapters.vllm.pool.block_pool import PartialEntryError  # noqa: E402
 from kvguard.errors import PoolMisuseError  # noqa: E402
 
 from . import harness  # noqa: E402

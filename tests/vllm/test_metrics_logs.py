@@ -14,7 +14,7 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
 from kvguard.adapters.vllm import plugin  # noqa: E402
-from kvguard.adapters.vllm import scheduler as scheduler_module  # noqa: E402
+from kvguard.adapters.vllm.scheduler import guarded as scheduler_module  # noqa: E402
 
 from .harness import BLOCK, make_request, make_scheduler, make_vllm_config, step  # noqa: E402
 
@@ -28,7 +28,7 @@ def log(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> It
     sits under vLLM's, which stops propagation once vLLM configured logging: the
     records are caught at the scheduler's logger.)"""
     logger = scheduler_module.logger
-    assert logger.name == "vllm.kvguard.adapters.vllm.scheduler"
+    assert logger.name == "vllm.kvguard.adapters.vllm.scheduler.guarded"
     monkeypatch.setattr(logger, "propagate", False)
     caplog.set_level(logging.INFO, logger=logger.name)  # (setLevel: clears the level cache)
     logger.addHandler(caplog.handler)

@@ -29,7 +29,7 @@ from kvguard import BlockHash, BlockState  # noqa: E402
 from kvguard.adapters.vllm import plugin  # noqa: E402
 from kvguard.adapters.vllm._compat import vllm_series  # noqa: E402
 from kvguard.adapters.vllm.config import GuardConfigError  # noqa: E402
-from kvguard.adapters.vllm.offloading import (  # noqa: E402
+from kvguard.adapters.vllm.exits.offloading import (  # noqa: E402
     TIER,
     GuardedOffloadingConnector,
 )
@@ -304,10 +304,10 @@ def test_unvalidated_block_in_a_store_job_cancels_it(
     """Second line: a job vLLM builds with a block kvguard refuses never reaches a
     worker (one WARNING under vLLM's logger says so), and its chunks are offered again
     once they validated."""
-    from kvguard.adapters.vllm import offloading
+    from kvguard.adapters.vllm.exits import offloading
 
     logger = offloading.logger
-    assert logger.name == "vllm.kvguard.adapters.vllm.offloading"
+    assert logger.name == "vllm.kvguard.adapters.vllm.exits.offloading"
     monkeypatch.setattr(logger, "propagate", False)  # (vLLM's logger stops it anyway)
     logger.addHandler(caplog.handler)
     s = offload_scheduler(max_num_batched_tokens=BLOCK)

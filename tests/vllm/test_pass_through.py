@@ -21,8 +21,8 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
 from kvguard.adapters.vllm import GuardedBlockPool, build_kv_cache_manager  # noqa: E402
 from kvguard.adapters.vllm.config import GuardConfig, GuardConfigError  # noqa: E402
-from kvguard.adapters.vllm.manager import install_guarded_pool  # noqa: E402
-from kvguard.adapters.vllm.scheduler import GuardedAsyncScheduler, GuardedScheduler  # noqa: E402
+from kvguard.adapters.vllm.pool.manager import install_guarded_pool  # noqa: E402
+from kvguard.adapters.vllm.scheduler.guarded import GuardedAsyncScheduler, GuardedScheduler  # noqa: E402
 
 from .harness import (  # noqa: E402
     BLOCK,

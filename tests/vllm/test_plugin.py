@@ -26,7 +26,7 @@ from kvguard.adapters.vllm._compat import (  # noqa: E402
     has_v1_model_runner,
 )
 from kvguard.adapters.vllm.config import GuardConfigError  # noqa: E402
-from kvguard.adapters.vllm.scheduler import (  # noqa: E402
+from kvguard.adapters.vllm.scheduler.guarded import (  # noqa: E402
     GuardedAsyncScheduler,
     GuardedScheduler,
 )

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
 from kvguard import BlockState  # noqa: E402
-from kvguard.adapters.vllm import scheduler as scheduler_module  # noqa: E402
-from kvguard.adapters.vllm.recovery import ResumedRequest  # noqa: E402
+from kvguard.adapters.vllm.scheduler import guarded as scheduler_module  # noqa: E402
+from kvguard.adapters.vllm.scheduler.recovery import ResumedRequest  # noqa: E402
 from kvguard.errors import PoolMisuseError, UnknownRequestError  # noqa: E402
 from kvguard.results import SlotRange  # noqa: E402
 

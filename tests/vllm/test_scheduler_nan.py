@@ -13,8 +13,8 @@ from vllm.config import SpeculativeConfig  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
 from kvguard import BlockState  # noqa: E402
-from kvguard.adapters.vllm.block_pool import GuardModeUnsupported  # noqa: E402
 from kvguard.adapters.vllm.config import GuardConfigError  # noqa: E402
+from kvguard.adapters.vllm.pool.block_pool import GuardModeUnsupported  # noqa: E402
 
 from .harness import (  # noqa: E402
     BLOCK,

@@ -43,16 +43,16 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from kvguard import BlockHash, BlockState  # noqa: E402
 from kvguard.adapters.vllm import GuardModeUnsupported, plugin  # noqa: E402
-from kvguard.adapters.vllm import scheduler as scheduler_module  # noqa: E402
-from kvguard.adapters.vllm import simple_cpu_offloading as simple_cpu_module  # noqa: E402
 from kvguard.adapters.vllm._compat import vllm_series  # noqa: E402
 from kvguard.adapters.vllm.config import GuardConfigError  # noqa: E402
-from kvguard.adapters.vllm.scheduler import GuardedAsyncScheduler, GuardedScheduler  # noqa: E402
-from kvguard.adapters.vllm.simple_cpu_offloading import (  # noqa: E402
+from kvguard.adapters.vllm.exits import simple_cpu as simple_cpu_module  # noqa: E402
+from kvguard.adapters.vllm.exits.simple_cpu import (  # noqa: E402
     TIER,
     GuardedSimpleCPUOffloadConnector,
     GuardedSimpleCPUOffloadScheduler,
 )
+from kvguard.adapters.vllm.scheduler import guarded as scheduler_module  # noqa: E402
+from kvguard.adapters.vllm.scheduler.guarded import GuardedAsyncScheduler, GuardedScheduler  # noqa: E402
 from kvguard.errors import IllegalTransitionError  # noqa: E402
 
 from .conftest import undo_plugin_patches_after  # noqa: E402
@@ -99,7 +99,7 @@ def transfer_config(
         "kv_connector": connector,
         "kv_role": "kv_both",
         "kv_connector_module_path": (
-            "kvguard.adapters.vllm.simple_cpu_offloading" if connector == GUARDED else None
+            "kvguard.adapters.vllm.exits.simple_cpu" if connector == GUARDED else None
         ),
         "kv_connector_extra_config": extra,
     }

@@ -22,7 +22,7 @@ pytest.importorskip("vllm")
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput  # noqa: E402
 
 from kvguard import BlockState  # noqa: E402
-from kvguard.adapters.vllm.block_pool import GuardModeUnsupported  # noqa: E402
+from kvguard.adapters.vllm.pool.block_pool import GuardModeUnsupported  # noqa: E402
 
 from .harness import (  # noqa: E402
     BLOCK,
@@ -116,7 +116,7 @@ def spec_trace(
 def test_guard_takes_drafts_only_when_workers_count_per_request(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from kvguard.adapters.vllm import worker_nans
+    from kvguard.adapters.vllm.workers import nans as worker_nans
 
     monkeypatch.setattr(worker_nans.PATCHES, "applied", False)
     monkeypatch.delenv("KVGUARD_GUARD", raising=False)

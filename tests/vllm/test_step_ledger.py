@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvguard.adapters.vllm.step_ledger import StepLedger
+from kvguard.adapters.vllm.scheduler.step_ledger import StepLedger
 from kvguard.block import PendingPublication
 from kvguard.hashing import BlockHash
 

@@ -30,8 +30,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (  # no
 from vllm.v1.kv_offload.base import OffloadingEvent, ReqContext, make_offload_key  # noqa: E402
 
 from kvguard import BlockHash  # noqa: E402
-from kvguard.adapters.vllm import offloading, simple_cpu_offloading  # noqa: E402
-from kvguard.adapters.vllm.tier_purge import TierPurgers  # noqa: E402
+from kvguard.adapters.vllm.exits import offloading  # noqa: E402
+from kvguard.adapters.vllm.exits import simple_cpu as simple_cpu_offloading  # noqa: E402
+from kvguard.adapters.vllm.exits.tier_purge import TierPurgers  # noqa: E402
 
 from .harness import BLOCK, hit_tokens, make_request, make_scheduler, transfer_config  # noqa: E402
 from .harness import connector_output as output  # noqa: E402

@@ -21,10 +21,11 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 
 from kvguard import BlockState  # noqa: E402
-from kvguard.adapters.vllm import worker_audit, worker_caches  # noqa: E402
 from kvguard.adapters.vllm._compat import has_v1_model_runner  # noqa: E402
-from kvguard.adapters.vllm.block_pool import GuardModeUnsupported  # noqa: E402
-from kvguard.adapters.vllm.worker_audit import AuditedCounts  # noqa: E402
+from kvguard.adapters.vllm.pool.block_pool import GuardModeUnsupported  # noqa: E402
+from kvguard.adapters.vllm.workers import audit as worker_audit  # noqa: E402
+from kvguard.adapters.vllm.workers import caches as worker_caches  # noqa: E402
+from kvguard.adapters.vllm.workers.audit import AuditedCounts  # noqa: E402
 
 from .conftest import undo_runner_patches_after  # noqa: E402
 from .harness import (  # noqa: E402

@@ -5,7 +5,7 @@ NaNs in chosen rows), and on the V2 runner's ``sample`` (every series).
 
 vLLM counts NaNs per logits row and reports row i as the i-th request's count; with
 draft tokens a request owns several rows, so stock names the wrong requests. kvguard's
-plugin patches the runner (``kvguard.adapters.vllm.worker_nans``); these tests run
+plugin patches the runner (``kvguard.adapters.vllm.workers.nans``); these tests run
 vLLM's own ``_prepare_inputs`` (which lays the rows out) and ``_bookkeeping_sync``
 (which counts and maps them) with the patch in place, sync and async.
 """
@@ -31,8 +31,9 @@ from vllm.distributed import (  # noqa: E402
 )
 from vllm.v1.outputs import DraftTokenIds, SamplerOutput  # noqa: E402
 
-from kvguard.adapters.vllm import runner_hooks, worker_nans  # noqa: E402
 from kvguard.adapters.vllm._compat import has_v1_model_runner  # noqa: E402
+from kvguard.adapters.vllm.workers import nans as worker_nans  # noqa: E402
+from kvguard.adapters.vllm.workers import runner_hooks  # noqa: E402
 
 if has_v1_model_runner():
     import vllm.v1.worker.gpu_model_runner as v1

@@ -14,9 +14,9 @@ pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 
-from kvguard.adapters.vllm import worker_slots  # noqa: E402
 from kvguard.adapters.vllm._compat import has_v1_model_runner  # noqa: E402
-from kvguard.adapters.vllm.block_pool import GuardModeUnsupported  # noqa: E402
+from kvguard.adapters.vllm.pool.block_pool import GuardModeUnsupported  # noqa: E402
+from kvguard.adapters.vllm.workers import slots as worker_slots  # noqa: E402
 from kvguard.results import SlotRange  # noqa: E402
 
 from .conftest import undo_runner_patches_after  # noqa: E402

@@ -16,8 +16,9 @@ pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 
-from kvguard.adapters.vllm import plugin, worker_zeroing  # noqa: E402
-from kvguard.adapters.vllm import scheduler as scheduler_module  # noqa: E402
+from kvguard.adapters.vllm import plugin  # noqa: E402
+from kvguard.adapters.vllm.scheduler import guarded as scheduler_module  # noqa: E402
+from kvguard.adapters.vllm.workers import zeroing as worker_zeroing  # noqa: E402
 
 from .conftest import undo_runner_patches_after  # noqa: E402
 from .harness import make_scheduler, make_vllm_config  # noqa: E402

@@ -19,14 +19,14 @@ from kvguard.adapters.vllm._compat import SUPPORTED, UnsupportedVllmError, check
 from kvguard.adapters.vllm.config import GuardConfig, GuardConfigError
 
 if TYPE_CHECKING:
-    from kvguard.adapters.vllm.block_pool import GuardedBlockPool, GuardModeUnsupported
-    from kvguard.adapters.vllm.example_connector import GuardedExampleConnector
-    from kvguard.adapters.vllm.manager import build_kv_cache_manager, install_guarded_pool
-    from kvguard.adapters.vllm.offloading import GuardedOffloadingConnector
-    from kvguard.adapters.vllm.recovery import RecoveryReport, ResumedRequest
-    from kvguard.adapters.vllm.scheduler import GuardedAsyncScheduler, GuardedScheduler
-    from kvguard.adapters.vllm.simple_cpu_offloading import GuardedSimpleCPUOffloadConnector
-    from kvguard.adapters.vllm.tier_purge import TierPurgeReport
+    from kvguard.adapters.vllm.exits.example_connector import GuardedExampleConnector
+    from kvguard.adapters.vllm.exits.offloading import GuardedOffloadingConnector
+    from kvguard.adapters.vllm.exits.simple_cpu import GuardedSimpleCPUOffloadConnector
+    from kvguard.adapters.vllm.exits.tier_purge import TierPurgeReport
+    from kvguard.adapters.vllm.pool.block_pool import GuardedBlockPool, GuardModeUnsupported
+    from kvguard.adapters.vllm.pool.manager import build_kv_cache_manager, install_guarded_pool
+    from kvguard.adapters.vllm.scheduler.guarded import GuardedAsyncScheduler, GuardedScheduler
+    from kvguard.adapters.vllm.scheduler.recovery import RecoveryReport, ResumedRequest
 
 __all__ = [
     "SUPPORTED",
@@ -49,18 +49,18 @@ __all__ = [
 ]
 
 _LAZY = {
-    "GuardedBlockPool": "block_pool",
-    "GuardModeUnsupported": "block_pool",
-    "build_kv_cache_manager": "manager",
-    "install_guarded_pool": "manager",
-    "GuardedScheduler": "scheduler",
-    "GuardedAsyncScheduler": "scheduler",
-    "GuardedOffloadingConnector": "offloading",
-    "GuardedSimpleCPUOffloadConnector": "simple_cpu_offloading",
-    "GuardedExampleConnector": "example_connector",
-    "TierPurgeReport": "tier_purge",
-    "RecoveryReport": "recovery",
-    "ResumedRequest": "recovery",
+    "GuardedBlockPool": "pool.block_pool",
+    "GuardModeUnsupported": "pool.block_pool",
+    "build_kv_cache_manager": "pool.manager",
+    "install_guarded_pool": "pool.manager",
+    "GuardedScheduler": "scheduler.guarded",
+    "GuardedAsyncScheduler": "scheduler.guarded",
+    "GuardedOffloadingConnector": "exits.offloading",
+    "GuardedSimpleCPUOffloadConnector": "exits.simple_cpu",
+    "GuardedExampleConnector": "exits.example_connector",
+    "TierPurgeReport": "exits.tier_purge",
+    "RecoveryReport": "scheduler.recovery",
+    "ResumedRequest": "scheduler.recovery",
 }
 
 

@@ -34,10 +34,10 @@ given (the plugin loads before any config is in reach):
   with vLLM's connector factory and gives them to ``kv_connector="OffloadingConnector"``
   and ``"SimpleCPUOffloadConnector"``, also as a ``MultiConnector``'s children
   (subclasses: workers run vLLM's code; stores cover validated blocks only, see
-  :mod:`kvguard.adapters.vllm.offloading`, :mod:`kvguard.adapters.vllm.simple_cpu_offloading`);
+  :mod:`kvguard.adapters.vllm.exits.offloading`, :mod:`kvguard.adapters.vllm.exits.simple_cpu`);
 * makes vLLM's model runners count NaN logits per request rather than per logits row,
   which is what lets the guard validate steps under speculative decoding (see
-  :mod:`kvguard.adapters.vllm.worker_nans`; applied when a runner's module is imported).
+  :mod:`kvguard.adapters.vllm.workers.nans`; applied when a runner's module is imported).
 
 Idempotent: vLLM may load plugins several times per process.
 """
@@ -48,18 +48,16 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from kvguard.adapters.vllm import (
-    metrics,
-    worker_audit,
-    worker_nans,
-    worker_slots,
-    worker_zeroing,
-)
+from kvguard.adapters.vllm import metrics
 from kvguard.adapters.vllm._compat import (
     require_supported_vllm,
     zeroing_is_a_field,
 )
 from kvguard.adapters.vllm.config import CONFIG_KEY, GuardConfig, GuardConfigError
+from kvguard.adapters.vllm.workers import audit as worker_audit
+from kvguard.adapters.vllm.workers import nans as worker_nans
+from kvguard.adapters.vllm.workers import slots as worker_slots
+from kvguard.adapters.vllm.workers import zeroing as worker_zeroing
 
 GUARD_ENV = "KVGUARD_GUARD"
 NAN_SETTING = "VLLM_COMPUTE_NANS_IN_LOGITS"
@@ -238,7 +236,7 @@ def check_workers(collective_rpc: Any, vllm_config: Any) -> None:
     unguarded: nothing to check.) How many passed is kept for the scheduler's start-up
     line (:func:`workers_checked`)."""
     global _checked
-    from kvguard.adapters.vllm.scheduler import is_pooling_model
+    from kvguard.adapters.vllm.scheduler.guarded import is_pooling_model
 
     if is_pooling_model(vllm_config):
         return
@@ -276,7 +274,7 @@ def check_workers(collective_rpc: Any, vllm_config: Any) -> None:
 def worker_zeroes_blocks(runner: Any) -> bool:
     """Whether the model runner applies ``new_block_ids_to_zero`` (vLLM's runners skip
     the list silently, or assert, without a zeroer): something zeroes its blocks
-    (:func:`~kvguard.adapters.vllm.worker_zeroing.zeroing_in_use`)."""
+    (:func:`~kvguard.adapters.vllm.workers.zeroing.zeroing_in_use`)."""
     return worker_zeroing.zeroing_in_use(runner) != worker_zeroing.NO_ZEROING
 
 
@@ -344,7 +342,7 @@ def _patch_scheduler_cls() -> None:
 
     def get_scheduler_cls(self: Any) -> Any:
         if self.scheduler_cls is None:
-            from kvguard.adapters.vllm.scheduler import (
+            from kvguard.adapters.vllm.scheduler.guarded import (
                 GuardedAsyncScheduler,
                 GuardedScheduler,
             )
@@ -363,15 +361,15 @@ GUARDED_CONNECTORS: dict[tuple[str, str], tuple[str, str]] = {
     (
         "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
         "OffloadingConnector",
-    ): ("kvguard.adapters.vllm.offloading", GUARDED_CONNECTOR),
+    ): ("kvguard.adapters.vllm.exits.offloading", GUARDED_CONNECTOR),
     (
         "vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector",
         "SimpleCPUOffloadConnector",
-    ): ("kvguard.adapters.vllm.simple_cpu_offloading", "GuardedSimpleCPUOffloadConnector"),
+    ): ("kvguard.adapters.vllm.exits.simple_cpu", "GuardedSimpleCPUOffloadConnector"),
     (
         "vllm.distributed.kv_transfer.kv_connector.v1.example_connector",
         "ExampleConnector",
-    ): ("kvguard.adapters.vllm.example_connector", "GuardedExampleConnector"),
+    ): ("kvguard.adapters.vllm.exits.example_connector", "GuardedExampleConnector"),
 }
 """vLLM's connectors whose copies kvguard gates, and the class the plugin gives for each
 (module, class name)."""
@@ -438,7 +436,7 @@ def _patch_engine_core_utility() -> None:
 def _patch_fault_handler() -> None:
     """vLLM's engine fault tolerance (``EngineCoreSentinel.on_fault``) aborts every
     request after a fault in the busy loop; on a guarded scheduler its abort becomes
-    :meth:`~kvguard.adapters.vllm.scheduler.GuardedScheduler.recover`: the requests
+    :meth:`~kvguard.adapters.vllm.scheduler.guarded.GuardedScheduler.recover`: the requests
     resume from their validated KV after vLLM's ``retry``, and only those that cannot
     are ended (the sentinel sends their outputs as it sends the aborts)."""
     from vllm.v1.fault_tolerance.engine_core_sentinel import EngineCoreSentinel

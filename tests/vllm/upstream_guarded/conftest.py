@@ -43,9 +43,9 @@ pytest.importorskip("vllm")
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
 from kvguard.adapters.vllm import plugin
-from kvguard.adapters.vllm.block_pool import GuardModeUnsupported
 from kvguard.adapters.vllm.config import GuardConfigError
-from kvguard.adapters.vllm.connector_gate import COVERAGE, Coverage, Exit
+from kvguard.adapters.vllm.exits.coverage import COVERAGE, Coverage, Exit
+from kvguard.adapters.vllm.pool.block_pool import GuardModeUnsupported
 from tests.vllm.upstream import conftest as upstream
 from tests.vllm.upstream.expected_failure import ExpectedFailure
 from tests.vllm.upstream.v0_34 import conftest as vendored

@@ -15,7 +15,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import ModelRunnerOutput
 
 from kvguard.adapters.vllm._compat import series_of
-from kvguard.adapters.vllm.scheduler import GuardedAsyncScheduler, GuardedScheduler
+from kvguard.adapters.vllm.scheduler.guarded import GuardedAsyncScheduler, GuardedScheduler
 from tests.vllm.upstream.conftest import OTHER_SERIES
 
 SERIES = "0.34"

@@ -43,7 +43,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvguard.adapters.vllm.block_pool import GuardModeUnsupported
+from kvguard.adapters.vllm.pool.block_pool import GuardModeUnsupported
 from tests.vllm.upstream import conftest as upstream
 from tests.vllm.upstream.expected_failure import ExpectedFailure
 

@@ -39,15 +39,15 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.single_type_kv_cache_manager import MambaManager
 
 from kvguard.adapters.vllm._compat import series_of
-from kvguard.adapters.vllm.block_pool import GuardedBlockPool
 from kvguard.adapters.vllm.config import GuardConfig
-from kvguard.adapters.vllm.manager import (
+from kvguard.adapters.vllm.pool.block_pool import GuardedBlockPool
+from kvguard.adapters.vllm.pool.manager import (
     GUARDED_MANAGERS,
     _guarded_cow,
     _guarded_mamba_allocation,
     install_guarded_pool,
 )
-from kvguard.adapters.vllm.step_ledger import StepLedger
+from kvguard.adapters.vllm.scheduler.step_ledger import StepLedger
 from tests.vllm.upstream.conftest import OTHER_SERIES
 
 SERIES = "0.34"

@@ -28,9 +28,9 @@ from vllm.v1.core.single_type_kv_cache_manager import (  # noqa: E402
     SlidingWindowManager,
 )
 
-from .block_pool import GuardedBlockPool, GuardModeUnsupported  # noqa: E402
-from .config import GuardConfig, GuardConfigError  # noqa: E402
-from .step_ledger import StepLedger  # noqa: E402
+from kvguard.adapters.vllm.config import GuardConfig, GuardConfigError  # noqa: E402
+from kvguard.adapters.vllm.pool.block_pool import GuardedBlockPool, GuardModeUnsupported  # noqa: E402
+from kvguard.adapters.vllm.scheduler.step_ledger import StepLedger  # noqa: E402
 
 GUARDED_MANAGERS = (
     FullAttentionManager,

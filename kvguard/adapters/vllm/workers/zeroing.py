@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-from .runner_hooks import RunnerPatches, mark_wrapper
-from .worker_caches import whole_block_layouts
+from kvguard.adapters.vllm.workers.caches import whole_block_layouts
+from kvguard.adapters.vllm.workers.runner_hooks import RunnerPatches, mark_wrapper
 
 CPU_ZEROER_MODULE = "vllm.v1.worker.cpu.utils"
 """Where vLLM 0.34's x86 CPU runner keeps its block zeroer (``CPUKVBlockZeroer``)."""

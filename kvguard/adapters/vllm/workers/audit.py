@@ -23,7 +23,7 @@ quarantined) through the one path the scheduler already has:
   blocks, ``sample`` adds the flags to the sampler's per-request counts on the device.
 
 Which layout each layer's cache has, and how a scheduler block maps onto its kernel
-blocks, is :func:`~kvguard.adapters.vllm.worker_caches.block_layouts`.
+blocks, is :func:`~kvguard.adapters.vllm.workers.caches.block_layouts`.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
-from .runner_hooks import RunnerPatches, mark_wrapper
-from .worker_caches import block_layouts
-from .worker_nans import V1_RUNNER, V2_RUNNER
+from kvguard.adapters.vllm.workers.caches import block_layouts
+from kvguard.adapters.vllm.workers.nans import V1_RUNNER, V2_RUNNER
+from kvguard.adapters.vllm.workers.runner_hooks import RunnerPatches, mark_wrapper
 
 AUDIT_FIELD = "kvguard_blocks_to_audit"
 """The ``SchedulerOutput`` attribute with the blocks to audit (request id -> block ids)."""
@@ -168,7 +168,7 @@ def runner_audits(runner: Any) -> bool:
     """Whether ``runner`` applies ``kvguard_blocks_to_audit``: its class has the patch
     (vLLM 0.34's x86 CPU runner has none) and kvguard knows the layout of every one of
     its attention caches."""
-    from .block_pool import GuardModeUnsupported
+    from kvguard.adapters.vllm.pool.block_pool import GuardModeUnsupported
 
     method = "_bookkeeping_sync" if hasattr(type(runner), "_bookkeeping_sync") else "sample"
     if not getattr(getattr(type(runner), method, None), _MARK, False):

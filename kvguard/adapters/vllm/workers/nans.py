@@ -48,7 +48,7 @@ from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
-from .runner_hooks import RunnerPatches, mark_wrapper
+from kvguard.adapters.vllm.workers.runner_hooks import RunnerPatches, mark_wrapper
 
 V1_RUNNER = "vllm.v1.worker.gpu_model_runner"
 V2_RUNNER = "vllm.v1.worker.gpu.model_runner"

@@ -36,7 +36,7 @@ from typing import Any
 from vllm.logger import init_logger
 from vllm.v1.request import RequestStatus
 
-from .config import GuardConfigError
+from kvguard.adapters.vllm.config import GuardConfigError
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -184,7 +184,7 @@ def coverage_of(
     """How kvguard gates the connector configured as ``name`` (``module_path``: an
     out-of-tree module, or None for vLLM's registry) with its extra config and
     ``kv_role``."""
-    from .plugin import GUARDED_CONNECTORS
+    from kvguard.adapters.vllm.plugin import GUARDED_CONNECTORS
 
     vllm_name = module_path is None or module_path.startswith("vllm.")
     if vllm_name and name in {cls for _, cls in GUARDED_CONNECTORS}:

@@ -10,7 +10,7 @@ What changes against vLLM (everything else is vLLM's own code path):
 * ``schedule``: blocks vLLM hands out are WRITTEN (kvguard) from then on; full blocks
   vLLM caches while scheduling the step are only *marked* for publication and noted
   as filled by this step (one record per step in the pool's
-  :class:`~kvguard.adapters.vllm.step_ledger.StepLedger`, no per-request work).
+  :class:`~kvguard.adapters.vllm.scheduler.step_ledger.StepLedger`, no per-request work).
 * ``update_from_output``: before vLLM processes the output, every request whose row
   in ``num_nans_in_logits`` is non-zero is finished with ``FINISHED_ERROR`` (its
   client sees finish reason ``"error"``, its NaN-derived tokens are never delivered)
@@ -23,7 +23,7 @@ What changes against vLLM (everything else is vLLM's own code path):
   blocks are quarantined on release.
 * with the KV audit on (``{"kvguard": {"audit": true}}``) each step carries the blocks
   it fills (``kvguard_blocks_to_audit``); the workers add the blocks holding NaN or an
-  infinity to the request's NaN count (:mod:`kvguard.adapters.vllm.worker_audit`), so
+  infinity to the request's NaN count (:mod:`kvguard.adapters.vllm.workers.audit`), so
   such a step fails as for NaN logits. Blocks cached while an output is processed are
   then carried to the request's next step, which audits them, instead of validated on
   the spot.
@@ -65,23 +65,22 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from .binding import rebind_connectors, stale_references  # noqa: E402
-from .block_pool import GuardModeUnsupported, group_suffix  # noqa: E402
-from .config import GuardConfig, GuardConfigError  # noqa: E402
-from .connector_gate import (  # noqa: E402
+from kvguard.adapters.vllm.config import GuardConfig, GuardConfigError  # noqa: E402
+from kvguard.adapters.vllm.exits.binding import rebind_connectors, stale_references  # noqa: E402
+from kvguard.adapters.vllm.exits.coverage import (  # noqa: E402
     NORMAL_ENDS,
     gate_of,
     refuse_ungated,
     withhold_from_connector,
 )
-from .manager import install_guarded_pool  # noqa: E402
-from .metrics import (  # noqa: E402
+from kvguard.adapters.vllm.exits.tier_purge import TierPurgeReport  # noqa: E402
+from kvguard.adapters.vllm.metrics import (  # noqa: E402
     GuardMetrics,
     StatsSender,
     connector_counters,
     register_prometheus,
 )
-from .plugin import (  # noqa: E402
+from kvguard.adapters.vllm.plugin import (  # noqa: E402
     GUARD_ENV,
     guard_config,
     stock_needs_zeroing,
@@ -89,15 +88,16 @@ from .plugin import (  # noqa: E402
     workers_checked,
     workers_zeroing,
 )
-from .recovery import (  # noqa: E402
+from kvguard.adapters.vllm.pool.block_pool import GuardModeUnsupported, group_suffix  # noqa: E402
+from kvguard.adapters.vllm.pool.manager import install_guarded_pool  # noqa: E402
+from kvguard.adapters.vllm.scheduler.recovery import (  # noqa: E402
     RecoveryReport,
     ResumedRequest,
     requests_to_recover,
     roll_back_request,
     why_not_resumable,
 )
-from .step_ledger import HeldFills, StepLedger, StepRecord  # noqa: E402
-from .tier_purge import TierPurgeReport  # noqa: E402
+from kvguard.adapters.vllm.scheduler.step_ledger import HeldFills, StepLedger, StepRecord  # noqa: E402
 
 logger = init_logger(f"vllm.{__name__}")
 """Under vLLM's logger: its handler, format (process name, pid) and level
@@ -225,7 +225,7 @@ class _GuardMixin:
             # request (nans_to_dict). With draft tokens a request has several rows, so
             # the counts name the wrong requests and rows past the batch size are
             # dropped: a step could validate KV computed from NaN logits. kvguard's
-            # plugin makes the workers count per request (kvguard.adapters.vllm.worker_nans).
+            # plugin makes the workers count per request (kvguard.adapters.vllm.workers.nans).
             raise GuardModeUnsupported(
                 "kvguard validates steps under speculative decoding only when vLLM's "
                 "workers count NaN logits per request, not per logits row (what vLLM "
@@ -877,7 +877,7 @@ class _GuardMixin:
             pool.free_blocks(reversed(manager.pop_blocks_for_free(req_id)), steps_passed=True)
 
     def _connector_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
-        # The request-finished gate (kvguard.adapters.vllm.connector_gate): only a
+        # The request-finished gate (kvguard.adapters.vllm.exits.coverage): only a
         # request that ended after clean, counted steps is handed to the connector.
         finished = super()._connector_finished  # type: ignore[misc]
         if request.request_id in self._kvguard_clean or self.connector is None:

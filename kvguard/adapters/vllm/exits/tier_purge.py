@@ -9,7 +9,7 @@ hashes it is given and returns those it dropped.
 
 :class:`TierPurgers` is that registry, one per guarded pool. Every invalidation of the
 pool goes through it (:meth:`GuardedBlockPool.invalidate
-<kvguard.adapters.vllm.block_pool.GuardedBlockPool.invalidate>`: by hand, or KV a
+<kvguard.adapters.vllm.pool.block_pool.GuardedBlockPool.invalidate>`: by hand, or KV a
 connector failed to load), so no path taints a hash and leaves its tier copies
 loadable. A reported copy whose tier has no purger (a tier kvguard cannot reach) is
 named in the report and in one WARNING.

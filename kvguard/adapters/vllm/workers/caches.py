@@ -13,7 +13,7 @@ Two views, each built once per runner and cached on it:
   each scheduler block's kernel blocks, so block ids are the scheduler's.
 
 A cache of a backend kvguard does not know raises
-:class:`~kvguard.adapters.vllm.block_pool.GuardModeUnsupported` rather than being
+:class:`~kvguard.adapters.vllm.pool.block_pool.GuardModeUnsupported` rather than being
 skipped: a skipped layer would be neither wiped nor audited.
 """
 
@@ -106,7 +106,7 @@ def whole_block_layouts(caches: Any, num_blocks: int) -> list[Any]:
 
 
 def _kind(layer: str, backend: str, what: str) -> str:
-    from .block_pool import GuardModeUnsupported
+    from kvguard.adapters.vllm.pool.block_pool import GuardModeUnsupported
 
     kind = LAYOUT_OF_BACKEND.get(backend)
     if kind is None:
@@ -121,7 +121,7 @@ def _kind(layer: str, backend: str, what: str) -> str:
 def _in_scheduler_blocks(layer: str, cache: Any, block_dim: int, num_blocks: int) -> Any:
     """``cache`` with one index per scheduler block along ``block_dim`` (vLLM may split
     a scheduler block into several kernel blocks, laid out one after another)."""
-    from .block_pool import GuardModeUnsupported
+    from kvguard.adapters.vllm.pool.block_pool import GuardModeUnsupported
 
     kernel_blocks = cache.shape[block_dim]
     if kernel_blocks == num_blocks:

@@ -23,8 +23,8 @@ This subclass keeps the workers' copy where it is made, but out of sight:
   whose loaded blocks are then quarantined (that step failed) is deleted: its KV may be
   what failed. One whose blocks validate is recorded as a tier copy.
 * **Purged by hash**: a hash :meth:`GuardedBlockPool.invalidate
-  <kvguard.adapters.vllm.block_pool.GuardedBlockPool.invalidate>` taints deletes every
-  folder recorded to hold it (:mod:`kvguard.adapters.vllm.tier_purge`).
+  <kvguard.adapters.vllm.pool.block_pool.GuardedBlockPool.invalidate>` taints deletes every
+  folder recorded to hold it (:mod:`kvguard.adapters.vllm.exits.tier_purge`).
 
 kvguard gates the stores by block hashes, which vLLM computes with prefix caching on:
 with it off the guarded scheduler refuses this connector at start-up. Without kvguard's
@@ -51,13 +51,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (  # 
 )
 from vllm.logger import init_logger  # noqa: E402
 
+from kvguard.adapters.vllm.config import GuardConfigError  # noqa: E402
+from kvguard.adapters.vllm.metrics import STORAGE_COUNTERS  # noqa: E402
+from kvguard.adapters.vllm.pool.block_pool import GuardedBlockPool, group_suffix  # noqa: E402
 from kvguard.errors import NotStorableError  # noqa: E402
 from kvguard.hashing import BlockHash  # noqa: E402
 from kvguard.states import STORABLE_STATES, BlockState  # noqa: E402
-
-from .block_pool import GuardedBlockPool, group_suffix  # noqa: E402
-from .config import GuardConfigError  # noqa: E402
-from .metrics import STORAGE_COUNTERS  # noqa: E402
 
 logger = init_logger(f"vllm.{__name__}")
 """Under vLLM's logger, as the scheduler's: vLLM's handler, format and level apply."""

@@ -47,7 +47,7 @@ class PatchOnImport(importlib.abc.MetaPathFinder):
     """Patches a module right after it is first executed (a post-import hook).
 
     Several hooks may patch one module (the NaN counting here, the slot wipe of
-    :mod:`kvguard.adapters.vllm.worker_slots`): the first hook on ``sys.meta_path`` that
+    :mod:`kvguard.adapters.vllm.workers.slots`): the first hook on ``sys.meta_path`` that
     knows the module applies every hook's patch for it, in ``sys.meta_path`` order, and
     no hook asks another (which would recurse)."""
 

@@ -3,17 +3,17 @@
 vLLM's ``KVCacheCoordinator``, ``SingleTypeKVCacheManager``s and ``KVCacheManager``
 call this object exactly as they call ``vllm.v1.core.block_pool.BlockPool`` (it is a
 subclass, so every attribute vLLM or a connector reads exists). It is always guarded:
-with the guard off, vLLM keeps its own pool (:func:`~kvguard.adapters.vllm.manager.
+with the guard off, vLLM keeps its own pool (:func:`~kvguard.adapters.vllm.pool.manager.
 install_guarded_pool` is not called; the guarded schedulers build vLLM's own scheduler).
 
 A :class:`kvguard.BlockPool` owns every block's state, the free queue (quarantined
 blocks first), the prefix index and the zero queue. The block objects vLLM's managers
 hold are kvguard's own block records
-(:class:`~kvguard.adapters.vllm.kv_block.GuardedKVCacheBlock`): the ``ref_cnt`` and
+(:class:`~kvguard.adapters.vllm.pool.kv_block.GuardedKVCacheBlock`): the ``ref_cnt`` and
 ``block_hash`` vLLM reads are kvguard's, written once, never a mirrored copy.
 ``cache_full_blocks`` no longer inserts at schedule time: it notes the blocks vLLM
 caches and the publication each is due (hash, parent, owner) in the pool's
-:class:`~kvguard.adapters.vllm.step_ledger.StepLedger`, the one record of what is held
+:class:`~kvguard.adapters.vllm.scheduler.step_ledger.StepLedger`, the one record of what is held
 back; :meth:`validate_fills` hands both to kvguard once the step that filled them is
 clean, and kvguard validates and publishes them in one call. How a release goes is said
 in the call: ``free_blocks(blocks, steps_passed=True)`` for the blocks of a request
@@ -28,7 +28,7 @@ net state (its boundary checkpoints held back like attention blocks), with parti
 prefix hits (``hash_block_size < block_size``: entries inside a block wait until nothing
 changes what they cover, :meth:`GuardedBlockPool.cache_partial_block`).
 Static sink and HiSparse groups are refused at install time
-(:data:`~kvguard.adapters.vllm.manager.REFUSED_MANAGERS`).
+(:data:`~kvguard.adapters.vllm.pool.manager.REFUSED_MANAGERS`).
 """
 
 from __future__ import annotations
@@ -62,6 +62,10 @@ from vllm.v1.core.kv_cache_utils import (  # noqa: E402
     resolve_block_hashes,
 )
 
+from kvguard.adapters.vllm.config import GuardConfig, GuardConfigError  # noqa: E402
+from kvguard.adapters.vllm.exits.tier_purge import TierPurgeReport, TierPurgers  # noqa: E402
+from kvguard.adapters.vllm.pool.kv_block import GuardedKVCacheBlock  # noqa: E402
+from kvguard.adapters.vllm.scheduler.step_ledger import StepLedger  # noqa: E402
 from kvguard.block import PendingPublication  # noqa: E402
 from kvguard.errors import (  # noqa: E402
     ConsistencyError,
@@ -75,11 +79,6 @@ from kvguard.hashing import BlockHash  # noqa: E402
 from kvguard.pool import BlockPool as KvGuardPool  # noqa: E402
 from kvguard.results import BlockValidation  # noqa: E402
 from kvguard.states import MATCHABLE_STATES, BlockState  # noqa: E402
-
-from .config import GuardConfig, GuardConfigError  # noqa: E402
-from .kv_block import GuardedKVCacheBlock  # noqa: E402
-from .step_ledger import StepLedger  # noqa: E402
-from .tier_purge import TierPurgeReport, TierPurgers  # noqa: E402
 
 _WRITTEN = BlockState.WRITTEN
 
@@ -242,7 +241,7 @@ class GuardedBlockPool(BlockPool):
         every invalidation drops the tier copies it reports (:meth:`invalidate`)."""
         self.state_groups: frozenset[int] = frozenset()
         """KV cache groups whose blocks hold a state overwritten in place (Mamba): set
-        by :func:`~kvguard.adapters.vllm.manager.install_guarded_pool`."""
+        by :func:`~kvguard.adapters.vllm.pool.manager.install_guarded_pool`."""
 
     # ------------------------------------------------------------------ validation
     #
@@ -663,7 +662,7 @@ class GuardedBlockPool(BlockPool):
         """Taint ``block_hashes`` (kvguard's keys) found corrupt after the fact
         (:meth:`kvguard.BlockPool.invalidate`: GPU blocks quarantined, requests
         holding them aborted) and purge their copies from every tier that registered
-        a purger (:mod:`kvguard.adapters.vllm.tier_purge`)."""
+        a purger (:mod:`kvguard.adapters.vllm.exits.tier_purge`)."""
         core = self.core
         report = core.invalidate(block_hashes, descendants=descendants)
         if core.record_events:

@@ -21,7 +21,7 @@ This subclass changes the scheduler side only; workers run vLLM's code unchanged
   that filled it validated (vLLM's own selection, finding it unhashed on kvguard's
   pool, would pass over it for good), and a block a failed or never-validated step
   wrote is never offered, not even when its request finishes. Lazy mode walks kvguard's free queue
-  (:class:`~kvguard.adapters.vllm.block_pool.KvGuardFreeQueue`), where only published
+  (:class:`~kvguard.adapters.vllm.pool.block_pool.KvGuardFreeQueue`), where only published
   blocks carry a hash.
 * **One ``StoreTicket`` per copied block** (``BlockPool.begin_store``) when a store
   event is built, whatever chose the block; a block kvguard refuses (quarantined or
@@ -34,7 +34,7 @@ This subclass changes the scheduler side only; workers run vLLM's code unchanged
 * A cache reset fails the tickets of the events it abandons.
 * **kvguard's record of tier copies follows the tier**: a copy the CPU pool evicts, or
   drops in a reset, is withdrawn (``forget_tier_copy``).
-* **Invalidated copies are purged** (:mod:`kvguard.adapters.vllm.tier_purge`): bound to
+* **Invalidated copies are purged** (:mod:`kvguard.adapters.vllm.exits.tier_purge`): bound to
   kvguard's pool, the connector registers a purger for its tier, which drops each
   invalidated hash's CPU block from the CPU pool's prefix cache (``evict_blocks``: a
   removal event goes out), so it never hits again. A CPU block being loaded (pinned by
@@ -43,9 +43,9 @@ This subclass changes the scheduler side only; workers run vLLM's code unchanged
 
 KV loaded back from the CPU tier is what any connector loads: the blocks vLLM
 allocated for it are WRITTEN until a step of the request, computing on them, is counted
-clean (the guarded scheduler's rule, :mod:`kvguard.adapters.vllm.scheduler`). vLLM pins
+clean (the guarded scheduler's rule, :mod:`kvguard.adapters.vllm.scheduler.guarded`). vLLM pins
 them (``touch``) while the load runs; kvguard's pool counts such a pin on a block
-being written apart (:meth:`~kvguard.adapters.vllm.block_pool.GuardedBlockPool.touch`).
+being written apart (:meth:`~kvguard.adapters.vllm.pool.block_pool.GuardedBlockPool.touch`).
 
 Without kvguard's pool underneath (stock scheduler, or the guard off: vLLM's own
 scheduler and pool) it is vLLM's ``SimpleCPUOffloadConnector``. The plugin
@@ -78,14 +78,13 @@ from vllm.v1.simple_kv_offload.manager import (  # noqa: E402
 )
 from vllm.v1.simple_kv_offload.metadata import INVALID_JOB_ID  # noqa: E402
 
+from kvguard.adapters.vllm.config import GuardConfigError  # noqa: E402
+from kvguard.adapters.vllm.metrics import CONNECTOR_HELP  # noqa: E402
+from kvguard.adapters.vllm.pool.block_pool import GuardedBlockPool, group_suffix  # noqa: E402
 from kvguard.errors import NotStorableError  # noqa: E402
 from kvguard.hashing import BlockHash  # noqa: E402
 from kvguard.results import StoreTicket  # noqa: E402
 from kvguard.states import STORABLE_STATES  # noqa: E402
-
-from .block_pool import GuardedBlockPool, group_suffix  # noqa: E402
-from .config import GuardConfigError  # noqa: E402
-from .metrics import CONNECTOR_HELP  # noqa: E402
 
 logger = init_logger(f"vllm.{__name__}")
 """Under vLLM's logger, as the scheduler's: vLLM's handler, format and level apply."""
@@ -351,7 +350,7 @@ class GuardedSimpleCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         return forgotten
 
     def _kvguard_purge(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
-        """The tier's purger (:mod:`kvguard.adapters.vllm.tier_purge`): drop the CPU
+        """The tier's purger (:mod:`kvguard.adapters.vllm.exits.tier_purge`): drop the CPU
         blocks holding ``hashes`` (kvguard's keys, the CPU pool's too) from the CPU
         pool's prefix cache; returns the hashes whose copy was dropped. A block a load
         is reading keeps its bytes until the load releases it, unhashed: no lookup

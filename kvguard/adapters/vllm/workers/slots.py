@@ -12,7 +12,7 @@ tokens of a block -- a partial block's validated prefix -- keep every byte.
 Which layout a layer's cache has comes from its attention backend
 (:mod:`.worker_caches`); vLLM's CPU attention caches are rewritten, not wiped. A step
 carrying slots for a layer whose backend kvguard does not know raises
-:class:`~kvguard.adapters.vllm.block_pool.GuardModeUnsupported` rather than leaving the
+:class:`~kvguard.adapters.vllm.pool.block_pool.GuardModeUnsupported` rather than leaving the
 slots as they are.
 """
 
@@ -22,11 +22,10 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
+from kvguard.adapters.vllm.workers.caches import slot_layouts
+from kvguard.adapters.vllm.workers.nans import V1_RUNNER, V2_RUNNER
+from kvguard.adapters.vllm.workers.runner_hooks import RunnerPatches, mark_wrapper
 from kvguard.results import SlotRange
-
-from .runner_hooks import RunnerPatches, mark_wrapper
-from .worker_caches import slot_layouts
-from .worker_nans import V1_RUNNER, V2_RUNNER
 
 SLOTS_FIELD = "kvguard_slots_to_zero"
 """The ``SchedulerOutput`` attribute the guarded scheduler puts the slots in."""

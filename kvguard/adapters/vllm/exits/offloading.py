@@ -29,7 +29,7 @@ code unchanged.
   (to make room for a store: ``prepare_store``'s ``evicted_keys``) or drops in a cache
   reset has its blocks' records withdrawn, so ``tier_copies`` names only chunks the
   tier holds, and the record stays the tier's size on a server that runs for weeks.
-* **Invalidated copies are purged** (:mod:`kvguard.adapters.vllm.tier_purge`): bound to
+* **Invalidated copies are purged** (:mod:`kvguard.adapters.vllm.exits.tier_purge`): bound to
   kvguard's pool, the connector registers a purger for its tier. Each chunk holding an
   invalidated hash leaves vLLM's CPU manager as an eviction would (its CPU chunk is
   free again, a removal event goes out), the chunk as a whole: its other blocks'
@@ -44,7 +44,7 @@ code unchanged.
 Without kvguard's pool underneath (stock scheduler, or the guard off: vLLM's own
 scheduler and pool) it is vLLM's ``OffloadingConnector``. Select it with
 ``KVTransferConfig(kv_connector="GuardedOffloadingConnector",
-kv_connector_module_path="kvguard.adapters.vllm.offloading")``, or let the plugin
+kv_connector_module_path="kvguard.adapters.vllm.exits.offloading")``, or let the plugin
 (``KVGUARD_GUARD=1``) substitute it for ``OffloadingConnector``.
 """
 
@@ -90,13 +90,12 @@ from vllm.v1.kv_offload.base import LookupResult, OffloadingEvent  # noqa: E402
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 
+from kvguard.adapters.vllm.metrics import CONNECTOR_HELP  # noqa: E402
+from kvguard.adapters.vllm.pool.block_pool import GuardedBlockPool, group_suffix  # noqa: E402
 from kvguard.errors import NotStorableError  # noqa: E402
 from kvguard.hashing import BlockHash  # noqa: E402
 from kvguard.results import StoreTicket  # noqa: E402
 from kvguard.states import STORABLE_STATES  # noqa: E402
-
-from .block_pool import GuardedBlockPool, group_suffix  # noqa: E402
-from .metrics import CONNECTOR_HELP  # noqa: E402
 
 logger = init_logger(f"vllm.{__name__}")
 """Under vLLM's logger, as the scheduler's: vLLM's handler, format and level apply."""
@@ -450,7 +449,7 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
     # ------------------------------------------------------------------ purging
 
     def _kvguard_purge(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
-        """The tier's purger (:mod:`kvguard.adapters.vllm.tier_purge`): drop every chunk
+        """The tier's purger (:mod:`kvguard.adapters.vllm.exits.tier_purge`): drop every chunk
         holding one of ``hashes`` (kvguard's keys) from vLLM's CPU manager; returns
         those hashes whose copy was dropped.
 

@@ -4,7 +4,7 @@ vLLM's ``Scheduler.__init__`` builds its ``KVCacheManager`` and binds the KV con
 to it (``bind_kv_cache_manager``, which hands the block pool to
 ``bind_gpu_block_pool``), and vLLM 0.33's auxiliary-output connector keeps the pool
 too -- all before the guarded scheduler replaces the pool by kvguard's
-(:func:`kvguard.adapters.vllm.manager.install_guarded_pool`). A connector left on the
+(:func:`kvguard.adapters.vllm.pool.manager.install_guarded_pool`). A connector left on the
 discarded pool would touch, look up and read blocks no request holds any more:
 SimpleCPU offloading (its ``_gpu_block_pool``), Mooncake's store, UMBP.
 
