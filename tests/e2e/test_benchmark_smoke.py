@@ -32,6 +32,8 @@ def test_one_pair_stock_and_guarded() -> None:
     assert steps > 4 and turns == -(-steps // 4), out
     for part in ("schedule", "execute_model", "sample_tokens", "update_from_output", "rest"):
         assert re.search(rf"^  {part} +stock +[\d.]+  guarded +[\d.]+  [\d.]+$", out, re.M), out
+    # The guard's CPU a step outside the forward: a figure, which may be negative (noise).
+    assert re.search(r"outside the model forward .*: median -?[\d.]+ µs \(min -?[\d.]+", out), out
     assert re.search(r"ratio guarded/stock, every run: median [\d.]+ \(min", out)
     assert re.search(r"geometric mean of the engine pairs' medians: [\d.]+ ", out)
     assert re.search(r"counted at stock's time in the same run: [\d.]+ \(engine pairs", out)
