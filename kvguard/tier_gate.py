@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from kvguard import arguments
+from kvguard.block import Block
 from kvguard.errors import NotStorableError, UnknownTicketError
 from kvguard.events import BlockRemoved, RequestAborted
 from kvguard.hashing import BlockHash
@@ -14,6 +15,15 @@ from kvguard.pool_core import PoolCore
 from kvguard.request_record import RequestRecord
 from kvguard.results import InvalidationReport, StoreTicket
 from kvguard.states import STORABLE_STATES, BlockState
+
+
+def storable_as(block: Block, key: BlockHash) -> bool:
+    """The storable rule: ``block`` may leave the instance (be copied to a tier, shared,
+    sent) as ``key`` -- it is VALIDATED or later and carries ``key``. A block quarantined,
+    still being written, or holding other tokens now (reused since) may not. Every exit
+    asks this one predicate (:meth:`TierGate.storable_as`; the vLLM adapter's exit gate
+    reads its block records through it)."""
+    return block.block_hash == key and block.state in STORABLE_STATES
 
 
 class TierGate:
@@ -43,6 +53,22 @@ class TierGate:
             if not holds(block.block_hash, tier):
                 out.append(block_id)
         return tuple(out)
+
+    def storable_as(self, block_id: int, key: BlockHash) -> bool:
+        """Whether block ``block_id`` may leave now as ``key`` (:func:`storable_as`)."""
+        if type(block_id) is not int or not 0 <= block_id < self._core.num_blocks:
+            block_id = self._core.block(block_id).block_id  # raises UnknownBlockError
+        return storable_as(self._kernel.blocks[block_id], arguments.block_hash("key", key))
+
+    def exit_epoch(self) -> int:
+        """A number that changes whenever a block may have stopped being storable under
+        its key: a quarantine (a failed step, an invalidation, an unvalidated release),
+        an eviction or a rollback, anywhere in the pool. An exit that verified a
+        request's leading blocks may trust its answer while this stays the same and the
+        request holds those blocks (no step rewrites a full block its request holds).
+        Pure read, O(1)."""
+        c = self._kernel.counters
+        return c.blocks_quarantined + c.blocks_evicted + c.hashes_invalidated + c.slots_zeroed
 
     def begin_store(self, block_id: int, tier: str = "default") -> StoreTicket:
         """Start copying a validated block to ``tier``; raises unless VALIDATED or later."""

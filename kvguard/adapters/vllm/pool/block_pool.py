@@ -33,7 +33,6 @@ Static sink and HiSparse groups are refused at install time
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -63,6 +62,7 @@ from vllm.v1.core.kv_cache_utils import (  # noqa: E402
 )
 
 from kvguard.adapters.vllm.config import GuardConfig, GuardConfigError  # noqa: E402
+from kvguard.adapters.vllm.exits.gate import group_suffix  # noqa: E402
 from kvguard.adapters.vllm.exits.tier_purge import TierPurgeReport, TierPurgers  # noqa: E402
 from kvguard.adapters.vllm.pool.kv_block import GuardedKVCacheBlock  # noqa: E402
 from kvguard.adapters.vllm.scheduler.step_ledger import StepLedger  # noqa: E402
@@ -81,13 +81,6 @@ from kvguard.results import BlockValidation  # noqa: E402
 from kvguard.states import MATCHABLE_STATES, BlockState  # noqa: E402
 
 _WRITTEN = BlockState.WRITTEN
-
-
-@functools.cache
-def group_suffix(group_id: int) -> bytes:
-    """What make_block_hash_with_group_id appends to a block hash: the group id's 4
-    big-endian bytes."""
-    return group_id.to_bytes(4, "big", signed=False)
 
 
 class GuardModeUnsupported(NotImplementedError):
