@@ -35,6 +35,7 @@ from kvguard.adapters.vllm.exits.offloading import (  # noqa: E402
 )
 
 from .conftest import undo_plugin_patches_after  # noqa: E402
+from .exit_rule import assert_may_leave  # noqa: E402
 from .harness import (  # noqa: E402
     BLOCK,
     finish_reasons,
@@ -46,7 +47,6 @@ from .harness import (  # noqa: E402
 from .harness import connector_output as output  # noqa: E402
 
 PROMPT = list(range(1000, 1000 + 4 * BLOCK))  # 4 full blocks
-STORABLE = {BlockState.VALIDATED, BlockState.PUBLISHED, BlockState.OFFLOADED}
 
 
 def offload_scheduler(*, connector: str = "GuardedOffloadingConnector", **kwargs: Any) -> Any:
@@ -105,7 +105,7 @@ def test_store_jobs_never_include_unvalidated_blocks(async_scheduling: bool) -> 
             jobs.append(built)
             if core is not None:
                 for blocks in built.values():
-                    assert {core.block_state(b) for b in blocks} <= STORABLE, blocks
+                    assert_may_leave(core, blocks)
                 s.kvguard_pool.check_consistency()
             in_flight.append(so)
             if async_scheduling and len(in_flight) < 2:
