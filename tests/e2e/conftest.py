@@ -97,14 +97,14 @@ def in_process() -> Iterator[None]:
 def undo_plugin_patches_with(mp: pytest.MonkeyPatch) -> None:
     """Make ``mp.undo()`` put back everything kvguard's plugin patches in this process
     (vLLM classes, the model runners, kvguard's own import hooks and state)."""
-    from kvguard.adapters.vllm import plugin
+    from kvguard.adapters.vllm import config, plugin
     from tests.vllm.plugin_patches import undo_plugin_patches_after
 
     undo_plugin_patches_after(mp)
     # Whether it is in force, and asked for by an engine's config: an in-process
     # engine built with ``additional_config={"kvguard": ...}`` sets both.
     mp.setattr(plugin, "_active", plugin._active)
-    mp.setattr(plugin, "_by_config", plugin._by_config)
+    mp.setattr(config, "_by_config", config._by_config)
 
 
 @contextlib.contextmanager

@@ -53,7 +53,7 @@ def plugin_patches_undone() -> Iterator[pytest.MonkeyPatch]:
     guard on (vLLM classes, the environment, its own state) is put back on exit."""
     from vllm.plugins import load_general_plugins
 
-    from kvguard.adapters.vllm import plugin
+    from kvguard.adapters.vllm import config, plugin
 
     from .conftest import undo_plugin_patches_with
 
@@ -61,7 +61,7 @@ def plugin_patches_undone() -> Iterator[pytest.MonkeyPatch]:
     try:
         undo_plugin_patches_with(mp)
         mp.setattr(plugin, "_active", False)
-        mp.setattr(plugin, "_by_config", False)
+        mp.setattr(config, "_by_config", False)
         for key in UNSET:
             mp.delenv(key, raising=False)
         # vLLM loads its plugins once per process, at its first engine build: loaded

@@ -13,8 +13,10 @@ import pytest
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
+from kvguard.adapters.vllm import config as settings  # noqa: E402
 from kvguard.adapters.vllm import plugin  # noqa: E402
 from kvguard.adapters.vllm.scheduler import guarded as scheduler_module  # noqa: E402
+from kvguard.adapters.vllm.scheduler import startup as startup_module  # noqa: E402
 
 from .harness import BLOCK, make_request, make_scheduler, make_vllm_config, step  # noqa: E402
 
@@ -87,12 +89,12 @@ def test_the_start_up_line_counts_the_workers_the_engine_core_checked(
     many workers reported the guard in force, for that engine's config only."""
     config = make_vllm_config()
     ok = {key: True for key in plugin._MISSING}
-    monkeypatch.setattr(plugin, "_checked", None)
+    monkeypatch.setattr(settings, "_checked", None)
     plugin.check_workers(lambda method: [ok, ok], config)
-    assert plugin.workers_checked(config) == 2
-    assert plugin.workers_checked(make_vllm_config()) is None  # another engine's config
+    assert settings.workers_checked(config) == 2
+    assert settings.workers_checked(make_vllm_config()) is None  # another engine's config
 
-    monkeypatch.setattr(scheduler_module, "workers_checked", lambda vllm_config: 2)
+    monkeypatch.setattr(startup_module, "workers_checked", lambda vllm_config: 2)
     make_scheduler()
     (line,) = _lines(caplog, START, logging.INFO)
     assert "workers checked: 2 OK;" in line

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
 from kvguard.adapters.vllm.pool.block_pool import GuardModeUnsupported  # noqa: E402
-from kvguard.adapters.vllm.scheduler.guarded import refuse_audit_for_layout  # noqa: E402
+from kvguard.adapters.vllm.scheduler.startup import refuse_audit_for_layout  # noqa: E402
 
 from . import harness  # noqa: E402
 

@@ -20,6 +20,7 @@ from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config  # no
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig  # noqa: E402
 
+from kvguard.adapters.vllm import config as settings  # noqa: E402
 from kvguard.adapters.vllm import plugin  # noqa: E402
 from kvguard.adapters.vllm._compat import (  # noqa: E402
     UnsupportedVllmError,
@@ -82,7 +83,7 @@ def test_plugin_makes_the_workers_config_ask_for_zeroing(plugin_on: pytest.Monke
         assert config.needs_kv_cache_zeroing is True
         # Workers receive a pickled copy; the plugin is loaded in their process too.
         assert pickle.loads(pickle.dumps(config)).needs_kv_cache_zeroing is True
-        assert plugin.stock_needs_zeroing(config) is False
+        assert settings.stock_needs_zeroing(config) is False
     assert generate_scheduler_kv_cache_config(configs).needs_kv_cache_zeroing is True
 
 
@@ -104,7 +105,7 @@ def test_plugin_makes_the_model_runners_count_nans_per_request(
     plugin_on: pytest.MonkeyPatch,
 ) -> None:
     """In every process vLLM starts: what lets the guard take speculative decoding."""
-    assert plugin.worker_counts_per_request()
+    assert settings.worker_counts_per_request()
     assert getattr(v2_runner.GPUModelRunner.sample, "_kvguard_per_request_nans", False)
     if has_v1_model_runner():
         import vllm.v1.worker.gpu_model_runner as v1_runner
@@ -116,7 +117,7 @@ def test_plugin_makes_the_model_runners_count_nans_per_request(
     # Runner modules a worker imports later are patched as they load.
     assert any(type(f).__name__ == "PatchOnImport" for f in sys.meta_path)
     plugin_on.delenv("KVGUARD_GUARD")
-    assert not plugin.worker_counts_per_request()
+    assert not settings.worker_counts_per_request()
 
 
 def test_plugin_refuses_an_unsupported_vllm(restore_vllm: pytest.MonkeyPatch) -> None:

@@ -16,8 +16,9 @@ pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 
+from kvguard.adapters.vllm import config as settings  # noqa: E402
 from kvguard.adapters.vllm import plugin  # noqa: E402
-from kvguard.adapters.vllm.scheduler import guarded as scheduler_module  # noqa: E402
+from kvguard.adapters.vllm.scheduler import startup as scheduler_module  # noqa: E402
 from kvguard.adapters.vllm.workers import zeroing as worker_zeroing  # noqa: E402
 
 from .conftest import undo_runner_patches_after  # noqa: E402
@@ -84,10 +85,10 @@ def test_the_start_up_line_names_the_workers_zeroing(
 ) -> None:
     config = make_vllm_config()
     report = {**dict.fromkeys(plugin._MISSING, True), "zeroing": "vLLM's KVBlockZeroer"}
-    monkeypatch.setattr(plugin, "_checked", None)
+    monkeypatch.setattr(settings, "_checked", None)
     plugin.check_workers(lambda method: [report, report], config)
-    assert plugin.workers_zeroing(config) == "vLLM's KVBlockZeroer"
-    assert plugin.workers_zeroing(make_vllm_config()) is None  # another engine's config
+    assert settings.workers_zeroing(config) == "vLLM's KVBlockZeroer"
+    assert settings.workers_zeroing(make_vllm_config()) is None  # another engine's config
     monkeypatch.setattr(scheduler_module, "workers_zeroing", lambda vllm_config: "Z")
     with caplog.at_level(logging.INFO, logger="vllm.kvguard"):
         make_scheduler()
@@ -100,7 +101,7 @@ def test_the_audit_is_asked_of_every_worker_only_when_it_is_on(
 ) -> None:
     from kvguard.adapters.vllm.config import GuardConfigError
 
-    monkeypatch.setattr(plugin, "_checked", None)
+    monkeypatch.setattr(settings, "_checked", None)
     report = {**dict.fromkeys(plugin._MISSING, True), "audit": False}
     plugin.check_workers(lambda method: [report], make_vllm_config())
     with pytest.raises(GuardConfigError, match="worker 0: its model runner cannot run the KV"):

@@ -53,43 +53,30 @@ from kvguard.adapters.vllm._compat import (
     require_supported_vllm,
     zeroing_is_a_field,
 )
-from kvguard.adapters.vllm.config import CONFIG_KEY, GuardConfig, GuardConfigError
+from kvguard.adapters.vllm.config import (
+    CONFIG_KEY,
+    GUARD_ENV,
+    NAN_SETTING,
+    STOCK_ZEROING,
+    SWITCHED_ON,
+    GuardConfigError,
+    guard_config,
+    is_pooling_model,
+    note_activated,
+    note_workers_checked,
+    requested,
+    requested_by,
+)
 from kvguard.adapters.vllm.workers import audit as worker_audit
 from kvguard.adapters.vllm.workers import nans as worker_nans
 from kvguard.adapters.vllm.workers import slots as worker_slots
 from kvguard.adapters.vllm.workers import zeroing as worker_zeroing
 
-GUARD_ENV = "KVGUARD_GUARD"
-NAN_SETTING = "VLLM_COMPUTE_NANS_IN_LOGITS"
-_ON = ("1", "true", "yes", "on")
 _MARK = "_kvguard_plugin"
 
 
 _active = False
 """Whether :func:`activate` ran in this process."""
-_by_config = False
-"""Whether it ran because a config asked for the guard (not the environment)."""
-
-
-def requested(environ: Any = os.environ) -> bool:
-    """Whether the environment asks for the guard (explicit ``KVGUARD_GUARD=1``)."""
-    return str(environ.get(GUARD_ENV, "")).strip().lower() in _ON
-
-
-def requested_by(vllm_config: Any, environ: Any = os.environ) -> bool:
-    """Whether the guard is asked for in a process given ``vllm_config``: its
-    ``additional_config["kvguard"]`` when there is one (enabled unless it says
-    ``"enabled": false``), else the environment (:func:`requested`)."""
-    additional = getattr(vllm_config, "additional_config", None)
-    if isinstance(additional, Mapping) and CONFIG_KEY in additional:
-        return GuardConfig.from_vllm(additional).enabled
-    return requested(environ)
-
-
-def guard_config(vllm_config: Any) -> GuardConfig:
-    """The guard's settings for the engine of ``vllm_config``: its
-    ``additional_config["kvguard"]``, else the environment."""
-    return GuardConfig.from_vllm(getattr(vllm_config, "additional_config", None))
 
 
 def register() -> None:
@@ -102,12 +89,12 @@ def register() -> None:
 
 def activate(*, by_config: bool = False) -> None:
     """Put the guard in force in this process (see the module doc). Idempotent."""
-    global _active, _by_config
+    global _active
     require_supported_vllm()
     nan = os.environ.get(NAN_SETTING)
     if nan is None:
         os.environ[NAN_SETTING] = "1"
-    elif nan.strip().lower() not in _ON:
+    elif nan.strip().lower() not in SWITCHED_ON:
         raise GuardConfigError(
             f"{GUARD_ENV}=1 validates each step by vLLM's per-request NaN logit counts, but "
             f"{NAN_SETTING}={nan!r} switches them off; unset it or set it to 1"
@@ -122,17 +109,7 @@ def activate(*, by_config: bool = False) -> None:
     worker_audit.install()
     worker_zeroing.install()
     _active = True
-    _by_config = _by_config or by_config
-
-
-def worker_counts_per_request(environ: Any = os.environ) -> bool:
-    """Whether vLLM's workers count NaN logits per request: the guard is in force in
-    this process (:func:`activate`, or ``KVGUARD_GUARD=1`` with the runners patched).
-    An engine core started with the guard asked for checks every worker at start-up
-    (``kvguard_report``) and refuses to start if one does not -- so here it is known
-    unless the plugin did not run in this process (``VLLM_PLUGINS`` leaving
-    ``kvguard`` out, or a scheduler built by hand)."""
-    return (_by_config or requested(environ)) and worker_nans.installed()
+    note_activated(by_config=by_config)
 
 
 # ---------------------------------------------------------------------- start-up hooks
@@ -195,29 +172,6 @@ def _worker_report(wrapper: Any) -> dict[str, bool | str]:
     }
 
 
-_checked: tuple[int, int, str] | None = None
-"""(``id`` of the vLLM config, workers, their block zeroing) of the last
-:func:`check_workers` that passed in this process: the engine core checks its workers
-before it builds its scheduler."""
-
-
-def workers_checked(vllm_config: Any) -> int | None:
-    """How many workers :func:`check_workers` found with the guard in force for the
-    engine of ``vllm_config``; None when it did not check them (a scheduler built
-    without the plugin's start-up check, or a pooling model)."""
-    if _checked is None or _checked[0] != id(vllm_config):
-        return None
-    return _checked[1]
-
-
-def workers_zeroing(vllm_config: Any) -> str | None:
-    """What zeroes blocks in the workers :func:`check_workers` found (see
-    :mod:`.worker_zeroing`); None when it did not check them."""
-    if _checked is None or _checked[0] != id(vllm_config):
-        return None
-    return _checked[2]
-
-
 _MISSING = {
     "guard": "kvguard's plugin did not switch the guard on there",
     "nan_counting": f"it does not count NaN logits ({NAN_SETTING} is off there)",
@@ -234,10 +188,7 @@ def check_workers(collective_rpc: Any, vllm_config: Any) -> None:
     """Every worker counts NaN logits per request and built its block zeroer (and, with
     the KV audit on, can run it), or the engine refuses to start. (Pooling models run
     unguarded: nothing to check.) How many passed is kept for the scheduler's start-up
-    line (:func:`workers_checked`)."""
-    global _checked
-    from kvguard.adapters.vllm.scheduler.guarded import is_pooling_model
-
+    line (:func:`~kvguard.adapters.vllm.config.workers_checked`)."""
     if is_pooling_model(vllm_config):
         return
     how = (
@@ -268,7 +219,7 @@ def check_workers(collective_rpc: Any, vllm_config: Any) -> None:
             + ". The engine does not start half-guarded."
         )
     zeroing = sorted({str(report.get("zeroing", "unknown")) for report in reports})
-    _checked = (id(vllm_config), len(reports), ", ".join(zeroing))
+    note_workers_checked(vllm_config, len(reports), ", ".join(zeroing))
 
 
 def worker_zeroes_blocks(runner: Any) -> bool:
@@ -288,7 +239,7 @@ def _patch_zeroing() -> None:
     """``KVCacheConfig.needs_kv_cache_zeroing`` true: kvguard's scheduler sends
     quarantined blocks in ``new_block_ids_to_zero``, and the workers build their
     zeroer to apply them only then. vLLM's own answer stays readable
-    (:func:`stock_needs_zeroing`)."""
+    (:func:`~kvguard.adapters.vllm.config.stock_needs_zeroing`)."""
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
     if zeroing_is_a_field():
@@ -299,7 +250,7 @@ def _patch_zeroing() -> None:
 
         def __post_init__(self: Any) -> None:
             stock_post_init(self)
-            self._kvguard_stock_zeroing = self.needs_kv_cache_zeroing
+            setattr(self, STOCK_ZEROING, self.needs_kv_cache_zeroing)
             self.needs_kv_cache_zeroing = True
 
         _mark(__post_init__, stock_post_init)
@@ -316,21 +267,6 @@ def _patch_zeroing() -> None:
 
     _mark(needs_kv_cache_zeroing, stock)
     KVCacheConfig.needs_kv_cache_zeroing = property(needs_kv_cache_zeroing)
-
-
-def stock_needs_zeroing(kv_cache_config: Any) -> bool:
-    """What vLLM itself decides for ``kv_cache_config`` (the plugin's patch undone)."""
-    if zeroing_is_a_field():
-        return bool(
-            getattr(
-                kv_cache_config, "_kvguard_stock_zeroing", kv_cache_config.needs_kv_cache_zeroing
-            )
-        )
-    prop = type(kv_cache_config).__dict__.get("needs_kv_cache_zeroing")
-    fget = getattr(prop, "fget", None)
-    if fget is None:
-        return bool(kv_cache_config.needs_kv_cache_zeroing)
-    return bool(getattr(fget, "__wrapped__", fget)(kv_cache_config))
 
 
 def _patch_scheduler_cls() -> None:

@@ -1,6 +1,9 @@
 """The guarded schedulers: vLLM's ``Scheduler`` and ``AsyncScheduler`` with kvguard's
-validation gate (:mod:`.guarded`), the record of each step in flight
-(:mod:`.step_ledger`) and fault recovery (:mod:`.recovery`).
+validation gate, one file per concern: start-up and refusals (:mod:`.startup`), each
+step's verdict and the classes composing the concerns (:mod:`.guarded`), window frees
+(:mod:`.windows`), fault recovery (:mod:`.recovery`), invalidation
+(:mod:`.invalidation`), the counters (:mod:`.stats`); the record of each step in
+flight (:mod:`.step_ledger`).
 
 ``kvguard.adapters.vllm.scheduler.GuardedScheduler`` is the name to give vLLM
 (``--scheduler-cls``); importing this package alone does not import vLLM.

@@ -26,11 +26,12 @@ abort would, its unvalidated blocks quarantined, and the log says which and why.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvguard.errors import PoolMisuseError, UnknownRequestError
+from kvguard.errors import PoolMisuseError, RollbackError, UnknownRequestError
 from kvguard.results import SlotRange
 
 
@@ -152,3 +153,96 @@ def roll_back_request(scheduler: Any, request: Any, boundary: int) -> None:
     request.num_computed_tokens = boundary
     request.num_output_placeholders = 0
     request.spec_token_ids = []
+
+
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+from kvguard.adapters.vllm.scheduler.startup import _GuardStartUp, logger  # noqa: E402
+
+
+class _Recovery(_GuardStartUp):
+    """The guarded scheduler's recovery: ``recover``, and vLLM's fault handler's abort
+    turned into it."""
+
+    @contextlib.contextmanager
+    def kvguard_fault(self) -> Iterator[None]:
+        """While vLLM's fault handler runs (the plugin wraps ``on_fault``): its abort of
+        every request, ``finish_requests(None, FINISHED_ABORTED)``, recovers them
+        instead, and returns only those that cannot resume."""
+        self._kvguard_on_fault = True
+        try:
+            yield
+        finally:
+            self._kvguard_on_fault = False
+
+    def finish_requests(self, request_ids: Any, finished_status: Any) -> Any:
+        if (
+            self._kvguard_on_fault
+            and request_ids is None
+            and finished_status == RequestStatus.FINISHED_ABORTED
+        ):
+            self._kvguard_on_fault = False  # (recover() may finish requests itself)
+            report = self.recover()
+            if report.resumed:
+                logger.warning(
+                    "kvguard: engine fault: %d request(s) roll back to their validated "
+                    "KV and resume after recovery (%d token(s) to recompute) instead of "
+                    "being aborted",
+                    len(report.resumed),
+                    sum(r.rolled_back for r in report.resumed),
+                )
+            return [request for request, _ in report.ended]
+        return super().finish_requests(request_ids, finished_status)
+
+    def recover(self, request_ids: Iterable[str] | None = None) -> RecoveryReport:
+        """Roll requests whose steps in flight are lost back to their validated KV, so
+        that they resume instead of being aborted (see :mod:`.recovery`).
+
+        ``request_ids``: the requests to roll back (default: every request with a step
+        in flight). Call it when those steps' outputs will never be processed -- after
+        a fault, before the next ``schedule()``. Each request resumes from the end of
+        the tokens its clean steps computed; the token slots past it are wiped on the
+        workers before the next step. A request that cannot resume is finished with
+        ``FINISHED_ERROR`` (logged with the reason) and returned in ``ended``: its
+        client must be told, as for an abort.
+        """
+        ledger = self._kvguard_ledger
+        resumed: list[ResumedRequest] = []
+        unresumable: dict[str, str] = {}
+        for req_id in requests_to_recover(self, request_ids):
+            request = self.requests[req_id]
+            if request.is_finished():
+                continue
+            in_flight = ledger.tokens_in_flight(req_id)
+            if not in_flight:
+                continue
+            boundary = request.num_computed_tokens - in_flight
+            reason = why_not_resumable(self, request, boundary)
+            if reason is None:
+                try:
+                    roll_back_request(self, request, boundary)
+                except RollbackError as exc:
+                    reason = f"its KV cannot be rolled back ({exc})"
+            if reason is not None:
+                unresumable[req_id] = reason
+                continue
+            resumed.append(ResumedRequest(req_id, boundary, in_flight))
+        ended = []
+        if unresumable:
+            for request in self._kvguard_finish_failing(dict.fromkeys(unresumable, 0)):
+                reason = unresumable[request.request_id]
+                logger.warning(
+                    "kvguard: request %s cannot resume after the fault (finish reason "
+                    "'error'): %s; its KV past its last validated step is quarantined",
+                    request.request_id,
+                    reason,
+                )
+                ended.append((request, reason))
+        # kvguard's pool queued the slots to wipe; they travel with the next step.
+        slots = self.kvguard_pool.core.take_slots_to_zero()
+        self._kvguard_slots += slots
+        metrics = self.kvguard_metrics
+        metrics.requests_recovered += len(resumed)
+        metrics.tokens_rolled_back += sum(r.rolled_back for r in resumed)
+        metrics.requests_unrecoverable += len(ended)
+        return RecoveryReport(tuple(resumed), tuple(ended), tuple(slots))
