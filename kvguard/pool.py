@@ -26,15 +26,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import operator
 import os
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar, cast
 
 from kvguard import arguments
-from kvguard.block import Block, BlockInfo
+from kvguard.block import Block, BlockInfo, PendingPublication
 from kvguard.block_steps import BlockSteps
 from kvguard.errors import PoolMisuseError
 from kvguard.events import AllBlocksCleared, PoolEvent
@@ -43,7 +42,18 @@ from kvguard.invariants import PoolSnapshot, check_pool, take_snapshot
 from kvguard.pool_core import PoolCore
 from kvguard.recovery import Recovery
 from kvguard.request_steps import RequestSteps
-from kvguard.results import SlotRange
+from kvguard.results import (
+    BlockValidation,
+    InvalidationReport,
+    PrefixHit,
+    PublishOutcome,
+    RequestProgress,
+    SlotRange,
+    StepResult,
+    StoreTicket,
+    TailRollback,
+    TokenRange,
+)
 from kvguard.states import MATCHABLE_STATES, BlockState
 from kvguard.stats import Counters, PoolStats
 from kvguard.tier_gate import TierGate
@@ -52,6 +62,7 @@ from kvguard.zeroing import ZeroPolicy
 _F = TypeVar("_F", bound=Callable[..., Any])
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
+_T = TypeVar("_T")
 
 CHECK_INVARIANTS_ENV = "KVGUARD_CHECK_INVARIANTS"
 
@@ -105,33 +116,45 @@ _READERS = (
     "storable_blocks",
     "tier_copies",
 )
+# The mutators the pool implements itself (the others are its façades' methods).
+_OWN_MUTATORS = tuple(
+    name
+    for name in _MUTATORS
+    if not any(name in vars(facade) for facade in (RequestSteps, BlockSteps, TierGate, Recovery))
+)
 
 
-# Each façade method BlockPool exposes, by name: the attribute of the façade object
-# that implements it (filled by _forwarded below).
-_FACADE_OF: dict[str, str] = {}
+def _contract(facade_method: Callable[..., object]) -> Callable[[_F], _F]:
+    """Give a pool method the docstring of the façade method it delegates to: the
+    contract is written once, where it is implemented, and ``help()`` shows it."""
+
+    def document(method: _F) -> _F:
+        method.__doc__ = facade_method.__doc__
+        return method
+
+    return document
 
 
-def _forwarded(
-    facade: str, method: Callable[Concatenate[Any, _P], _R]
-) -> Callable[Concatenate[BlockPool, _P], _R]:
-    """``method`` of the façade object ``BlockPool.<facade>``, as a method of the pool.
-
-    What the class carries (its signature and docstring are the façade method's, for
-    readers, ``help()`` and type checkers). A pool calls the façade's bound method
-    directly: ``BlockPool.__init__`` binds it on the instance (no forwarding frame on
-    the hot paths); the forwarder built here runs only when the class attribute is
-    called, as ``BlockPool.allocate(pool, ...)``.
-    """
-    name = method.__name__
-    _FACADE_OF[name] = facade
-    get_facade = operator.attrgetter(facade)
+def _checking(method: Callable[_P, _R], check: Callable[[], None]) -> Callable[_P, _R]:
+    """``method``, then ``check()`` once it returned (the invariant-checking mode)."""
 
     @functools.wraps(method)
-    def forward(pool: BlockPool, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        return method(get_facade(pool), *args, **kwargs)
+    def checked(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        result = method(*args, **kwargs)
+        check()
+        return result
 
-    return forward
+    return checked
+
+
+def _checked_facade(facade: type[_T], check: Callable[[], None]) -> type[_T]:
+    """A subclass of the façade class ``facade`` whose mutators (``_MUTATORS``) run
+    ``check`` after they return: the pool's methods delegate to its façade objects
+    and hot callers call those directly, so the check sits on the façade."""
+    checked = {
+        name: _checking(method, check) for name, method in vars(facade).items() if name in _MUTATORS
+    }
+    return cast("type[_T]", type(facade.__name__, (facade,), {"__slots__": (), **checked}))
 
 
 class BlockPool:
@@ -147,9 +170,21 @@ class BlockPool:
     from kvguard's records instead of keeping copies (the vLLM adapter's blocks are
     what vLLM reads as its ``KVCacheBlock`` objects).
 
-    The pool is composed of four façades over one shared core (:mod:`kvguard.pool_core`):
-    request steps, block-level steps, the tier gate and fault recovery, each of which
-    checks its arguments and calls the transition kernel. Their methods are the pool's.
+    The pool is composed of four façades over one shared core (:mod:`kvguard.pool_core`),
+    each of which checks its arguments and calls the transition kernel; the pool's
+    methods of the same names delegate to them. They are read-only attributes, for
+    callers on per-step hot paths that call a façade directly (one call frame less):
+
+    - ``request_steps`` (:class:`~kvguard.request_steps.RequestSteps`): requests, their
+      block tables and write/validate ledgers;
+    - ``block_steps`` (:class:`~kvguard.block_steps.BlockSteps`): blocks the caller names
+      and holds in its own tables;
+    - ``tier_gate`` (:class:`~kvguard.tier_gate.TierGate`): stores to lower tiers, and
+      invalidation;
+    - ``recovery`` (:class:`~kvguard.recovery.Recovery`): rolling requests and blocks back.
+
+    With ``check_invariants``, a mutating call checks the pool after it returns, whether
+    it is made on the pool or on a façade.
     """
 
     def __init__(
@@ -178,18 +213,25 @@ class BlockPool:
         arguments.flag("check_invariants", check_invariants)
         self._core = core
         self._kernel = core.kernel
-        self._request_steps = RequestSteps(core)
-        self._block_steps = BlockSteps(core)
-        self._tier_gate = TierGate(core)
-        self._recovery = Recovery(core)
-        self._index_view = MappingProxyType(core.kernel.index)
-        cls = type(self)
-        for name, facade in _FACADE_OF.items():
-            if getattr(cls, name) is getattr(BlockPool, name):  # (not a subclass's own)
-                setattr(self, name, getattr(getattr(self, facade), name))
+        request_steps, block_steps, tier_gate, recovery = (
+            RequestSteps,
+            BlockSteps,
+            TierGate,
+            Recovery,
+        )
         if check_invariants:
-            for name in _MUTATORS:
-                setattr(self, name, self._checked(getattr(self, name)))
+            check = self.check_invariants
+            request_steps = _checked_facade(RequestSteps, check)
+            block_steps = _checked_facade(BlockSteps, check)
+            tier_gate = _checked_facade(TierGate, check)
+            recovery = _checked_facade(Recovery, check)
+            for name in _OWN_MUTATORS:
+                setattr(self, name, _checking(getattr(self, name), check))
+        self._request_steps = request_steps(core)
+        self._block_steps = block_steps(core)
+        self._tier_gate = tier_gate(core)
+        self._recovery = recovery(core)
+        self._index_view = MappingProxyType(core.kernel.index)
 
     def __repr__(self) -> str:
         """Size and where the blocks are, from counts the pool keeps anyway: O(1), no
@@ -228,19 +270,88 @@ class BlockPool:
     def record_events(self) -> bool:
         return self._kernel.record_events
 
-    # Request steps (kvguard.request_steps).
-    add_request = _forwarded("_request_steps", RequestSteps.add_request)
-    append_tokens = _forwarded("_request_steps", RequestSteps.append_tokens)
-    append_block_hashes = _forwarded("_request_steps", RequestSteps.append_block_hashes)
-    lookup = _forwarded("_request_steps", RequestSteps.lookup)
-    can_allocate = _forwarded("_request_steps", RequestSteps.can_allocate)
-    allocate = _forwarded("_request_steps", RequestSteps.allocate)
-    write = _forwarded("_request_steps", RequestSteps.write)
-    validate_step = _forwarded("_request_steps", RequestSteps.validate_step)
-    fail_step = _forwarded("_request_steps", RequestSteps.fail_step)
-    free = _forwarded("_request_steps", RequestSteps.free)
-    block_table = _forwarded("_request_steps", RequestSteps.block_table)
-    progress = _forwarded("_request_steps", RequestSteps.progress)
+    # The façades (see the class docstring).
+    @property
+    def request_steps(self) -> RequestSteps:
+        return self._request_steps
+
+    @property
+    def block_steps(self) -> BlockSteps:
+        return self._block_steps
+
+    @property
+    def tier_gate(self) -> TierGate:
+        return self._tier_gate
+
+    @property
+    def recovery(self) -> Recovery:
+        return self._recovery
+
+    # Request steps (kvguard.request_steps). Each method below is its façade's, by
+    # explicit delegation: same signature, the façade's docstring (``_contract``).
+    @_contract(RequestSteps.add_request)
+    def add_request(
+        self,
+        request_id: str,
+        token_ids: Sequence[int] = (),
+        *,
+        salt: bytes | None = None,
+        block_hashes: Sequence[BlockHash] | None = None,
+        retention: int = 0,
+    ) -> None:
+        return self._request_steps.add_request(
+            request_id, token_ids, salt=salt, block_hashes=block_hashes, retention=retention
+        )
+
+    @_contract(RequestSteps.append_tokens)
+    def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> tuple[int, ...]:
+        return self._request_steps.append_tokens(request_id, token_ids)
+
+    @_contract(RequestSteps.append_block_hashes)
+    def append_block_hashes(
+        self, request_id: str, block_hashes: Sequence[BlockHash]
+    ) -> tuple[int, ...]:
+        return self._request_steps.append_block_hashes(request_id, block_hashes)
+
+    @_contract(RequestSteps.lookup)
+    def lookup(self, request_id: str, *, max_tokens: int | None = None) -> PrefixHit:
+        return self._request_steps.lookup(request_id, max_tokens=max_tokens)
+
+    @_contract(RequestSteps.can_allocate)
+    def can_allocate(
+        self, request_id: str, num_tokens: int, *, hit: PrefixHit | None = None
+    ) -> bool:
+        return self._request_steps.can_allocate(request_id, num_tokens, hit=hit)
+
+    @_contract(RequestSteps.allocate)
+    def allocate(
+        self, request_id: str, num_tokens: int, *, hit: PrefixHit | None = None
+    ) -> tuple[int, ...]:
+        return self._request_steps.allocate(request_id, num_tokens, hit=hit)
+
+    @_contract(RequestSteps.write)
+    def write(self, request_id: str, num_tokens: int) -> TokenRange:
+        return self._request_steps.write(request_id, num_tokens)
+
+    @_contract(RequestSteps.validate_step)
+    def validate_step(self, request_id: str) -> StepResult:
+        return self._request_steps.validate_step(request_id)
+
+    @_contract(RequestSteps.fail_step)
+    def fail_step(self, request_id: str) -> StepResult:
+        return self._request_steps.fail_step(request_id)
+
+    @_contract(RequestSteps.free)
+    def free(self, request_id: str) -> None:
+        return self._request_steps.free(request_id)
+
+    @_contract(RequestSteps.block_table)
+    def block_table(self, request_id: str) -> tuple[int, ...]:
+        return self._request_steps.block_table(request_id)
+
+    @_contract(RequestSteps.progress)
+    def progress(self, request_id: str) -> RequestProgress:
+        return self._request_steps.progress(request_id)
 
     @property
     def request_ids(self) -> tuple[str, ...]:
@@ -248,37 +359,92 @@ class BlockPool:
         return tuple(self._core.requests)
 
     # Fault recovery (kvguard.recovery).
-    zero_request_tail = _forwarded("_recovery", Recovery.zero_request_tail)
-    roll_back_blocks = _forwarded("_recovery", Recovery.roll_back_blocks)
+    @_contract(Recovery.zero_request_tail)
+    def zero_request_tail(self, request_id: str, num_tokens: int | None = None) -> TailRollback:
+        return self._recovery.zero_request_tail(request_id, num_tokens)
+
+    @_contract(Recovery.roll_back_blocks)
+    def roll_back_blocks(self, tails: Mapping[int, int]) -> tuple[SlotRange, ...]:
+        return self._recovery.roll_back_blocks(tails)
 
     # Block-level steps (kvguard.block_steps).
-    allocate_blocks = _forwarded("_block_steps", BlockSteps.allocate_blocks)
-    acquire_blocks = _forwarded("_block_steps", BlockSteps.acquire_blocks)
-    release_blocks = _forwarded("_block_steps", BlockSteps.release_blocks)
-    write_blocks = _forwarded("_block_steps", BlockSteps.write_blocks)
-    validate_blocks = _forwarded("_block_steps", BlockSteps.validate_blocks)
-    fail_blocks = _forwarded("_block_steps", BlockSteps.fail_blocks)
-    publish_block = _forwarded("_block_steps", BlockSteps.publish_block)
-    disown_reference = _forwarded("_block_steps", BlockSteps.disown_reference)
-    cached_block_id = _forwarded("_block_steps", BlockSteps.cached_block_id)
+    @_contract(BlockSteps.allocate_blocks)
+    def allocate_blocks(self, num_blocks: int, *, write: bool = False) -> list[int]:
+        return self._block_steps.allocate_blocks(num_blocks, write=write)
+
+    @_contract(BlockSteps.acquire_blocks)
+    def acquire_blocks(self, block_ids: Iterable[int]) -> None:
+        return self._block_steps.acquire_blocks(block_ids)
+
+    @_contract(BlockSteps.release_blocks)
+    def release_blocks(self, block_ids: Iterable[int], *, steps_passed: bool = False) -> None:
+        return self._block_steps.release_blocks(block_ids, steps_passed=steps_passed)
+
+    @_contract(BlockSteps.write_blocks)
+    def write_blocks(self, block_ids: Iterable[int]) -> None:
+        return self._block_steps.write_blocks(block_ids)
+
+    @_contract(BlockSteps.validate_blocks)
+    def validate_blocks(
+        self,
+        block_ids: Iterable[int],
+        publish: Mapping[int, PendingPublication] | None = None,
+    ) -> BlockValidation:
+        return self._block_steps.validate_blocks(block_ids, publish)
+
+    @_contract(BlockSteps.fail_blocks)
+    def fail_blocks(self, block_ids: Iterable[int]) -> tuple[int, ...]:
+        return self._block_steps.fail_blocks(block_ids)
+
+    @_contract(BlockSteps.publish_block)
+    def publish_block(
+        self,
+        block_id: int,
+        block_hash: BlockHash,
+        parent_hash: BlockHash | None = None,
+        *,
+        owner: str = "",
+    ) -> PublishOutcome:
+        return self._block_steps.publish_block(block_id, block_hash, parent_hash, owner=owner)
+
+    @_contract(BlockSteps.disown_reference)
+    def disown_reference(self, block_id: int) -> None:
+        return self._block_steps.disown_reference(block_id)
+
+    @_contract(BlockSteps.cached_block_id)
+    def cached_block_id(self, block_hash: BlockHash) -> int | None:
+        return self._block_steps.cached_block_id(block_hash)
 
     # The tier gate (kvguard.tier_gate).
-    storable_blocks = _forwarded("_tier_gate", TierGate.storable_blocks)
-    begin_store = _forwarded("_tier_gate", TierGate.begin_store)
-    ack_store = _forwarded("_tier_gate", TierGate.ack_store)
-    fail_store = _forwarded("_tier_gate", TierGate.fail_store)
-    forget_tier_copy = _forwarded("_tier_gate", TierGate.forget_tier_copy)
-    tier_copies = _forwarded("_tier_gate", TierGate.tier_copies)
-    invalidate = _forwarded("_tier_gate", TierGate.invalidate)
+    @_contract(TierGate.storable_blocks)
+    def storable_blocks(self, request_id: str, tier: str = "default") -> tuple[int, ...]:
+        return self._tier_gate.storable_blocks(request_id, tier)
 
-    def _checked(self, method: _F) -> _F:
-        @functools.wraps(method)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            result = method(*args, **kwargs)
-            self.check_invariants()
-            return result
+    @_contract(TierGate.begin_store)
+    def begin_store(self, block_id: int, tier: str = "default") -> StoreTicket:
+        return self._tier_gate.begin_store(block_id, tier)
 
-        return wrapper  # type: ignore[return-value]
+    @_contract(TierGate.ack_store)
+    def ack_store(self, ticket: StoreTicket) -> bool:
+        return self._tier_gate.ack_store(ticket)
+
+    @_contract(TierGate.fail_store)
+    def fail_store(self, ticket: StoreTicket) -> None:
+        return self._tier_gate.fail_store(ticket)
+
+    @_contract(TierGate.forget_tier_copy)
+    def forget_tier_copy(self, tier: str, block_hash: BlockHash) -> bool:
+        return self._tier_gate.forget_tier_copy(tier, block_hash)
+
+    @_contract(TierGate.tier_copies)
+    def tier_copies(self, block_hash: BlockHash) -> tuple[str, ...]:
+        return self._tier_gate.tier_copies(block_hash)
+
+    @_contract(TierGate.invalidate)
+    def invalidate(
+        self, block_hashes: Iterable[BlockHash], *, descendants: bool = True
+    ) -> InvalidationReport:
+        return self._tier_gate.invalidate(block_hashes, descendants=descendants)
 
     def reset_prefix_cache(self, *, keep_held: Iterable[int] = ()) -> bool:
         """Drop every cached block from the index; only when no block is held.

@@ -5,10 +5,19 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 import kvguard
+from kvguard.block_steps import BlockSteps
+from kvguard.hashing import BlockHash
+from kvguard.pool import _MUTATORS, _READERS
+from kvguard.recovery import Recovery
+from kvguard.request_steps import RequestSteps
+from kvguard.tier_gate import TierGate
 
 ROOT = Path(__file__).parent.parent
 
@@ -92,26 +101,28 @@ def test_readers_change_nothing() -> None:
         assert pool.snapshot() == before, name
 
 
-def test_the_pool_is_composed_of_facades_that_reach_no_other() -> None:
-    """Each façade is an object of its own class over the shared core; the pool's
-    methods are the façades' bound methods (no forwarding frame on a call), or, called
-    on the class, forward to them; no façade module imports another or the pool."""
-    import ast
-    import inspect
+FACADES = {
+    "request_steps": RequestSteps,
+    "block_steps": BlockSteps,
+    "tier_gate": TierGate,
+    "recovery": Recovery,
+}
 
-    from kvguard.pool import _FACADE_OF
+
+def test_the_pool_is_composed_of_facades_that_reach_no_other() -> None:
+    """Each façade is an object of its own class over the shared core, a read-only
+    attribute of the pool; no façade module imports another or the pool."""
+    import ast
+
+    import pytest
 
     pool = kvguard.BlockPool(8, 4)
-    facades = {"_request_steps", "_block_steps", "_tier_gate", "_recovery"}
-    assert set(_FACADE_OF.values()) == facades
-    for name, facade in _FACADE_OF.items():
-        bound = getattr(pool, name)
-        assert bound.__self__ is getattr(pool, facade), name
-        assert bound.__func__ is inspect.unwrap(getattr(kvguard.BlockPool, name)), name
-    (a, b) = kvguard.BlockPool.allocate_blocks(pool, 2)  # the class attribute forwards
-    assert pool.block_info(a).ref_cnt == pool.block_info(b).ref_cnt == 1
-    cores = {id(getattr(pool, facade)._core) for facade in facades}
-    assert cores == {id(pool._core)}
+    for name, cls in FACADES.items():
+        facade = getattr(pool, name)
+        assert type(facade) is cls, name
+        assert facade._core is pool._core, name  # type: ignore[attr-defined]
+        with pytest.raises(AttributeError):
+            setattr(pool, name, facade)
 
     modules = ["request_steps", "block_steps", "tier_gate", "recovery"]
     root = Path(kvguard.__file__).parent
@@ -124,6 +135,120 @@ def test_the_pool_is_composed_of_facades_that_reach_no_other() -> None:
         }
         reached = imported & {f"kvguard.{m}" for m in [*modules, "pool"]}
         assert not reached, f"{module} imports {reached}"
+
+
+def test_a_facade_method_of_the_pool_is_its_facades_by_signature_and_contract() -> None:
+    """The pool's method of a façade method's name is a real method of the class (no
+    instance binding hides it from readers and type checkers) with the façade
+    method's signature and docstring, and calling it calls the façade."""
+    import inspect
+
+    delegated = set()
+    for name, member in vars(kvguard.BlockPool).items():
+        owners = [cls for cls in FACADES.values() if name in vars(cls)]
+        if name.startswith("_") or not owners:
+            continue
+        (owner,) = owners
+        facade_method = getattr(owner, name)
+        assert inspect.isfunction(member), name
+        assert inspect.signature(member) == inspect.signature(facade_method), name
+        assert member.__doc__, name
+        assert member.__doc__ == facade_method.__doc__, name
+        delegated.add(name)
+    public = {*_MUTATORS, *_READERS}
+    assert delegated == {n for n in public if any(n in vars(c) for c in FACADES.values())}
+    pool = kvguard.BlockPool(8, 4)
+    assert "allocate_blocks" not in vars(pool)  # (nothing bound on the instance)
+    (a, b) = kvguard.BlockPool.allocate_blocks(pool, 2)
+    assert pool.block_steps.cached_block_id(BlockHash(b"x")) is None
+    assert pool.block_info(a).ref_cnt == pool.block_info(b).ref_cnt == 1
+
+
+def _call_every_mutator(
+    pool: kvguard.BlockPool, via_facades: bool, after: Callable[[str], None]
+) -> None:
+    """Call each mutator on a pool in use, in an order in which each call is legal,
+    and ``after(name)`` once each call returned; with ``via_facades``, a façade's
+    mutator is called on the façade object, not through the pool."""
+
+    def call(name: str, *args: object, **kwargs: object) -> Any:
+        owner: object = pool
+        if via_facades:
+            owner = next(
+                (getattr(pool, a) for a, cls in FACADES.items() if name in vars(cls)), pool
+            )
+        result = getattr(owner, name)(*args, **kwargs)
+        after(name)
+        return result
+
+    h1, h2 = BlockHash(bytes(16)), BlockHash(bytes(15) + b"\x01")
+    call("add_request", "r", list(range(10)))
+    hit = call("lookup", "r")
+    call("allocate", "r", 10, hit=hit)
+    call("write", "r", 10)
+    call("fail_step", "r")
+    call("zero_request_tail", "r")
+    call("write", "r", 10)
+    call("validate_step", "r")
+    call("append_tokens", "r", [10, 11])
+    call("free", "r")
+    call("add_request", "h", block_hashes=[h1])
+    call("append_block_hashes", "h", [h2])
+    call("free", "h")
+    (a, b, c) = call("allocate_blocks", 3, write=True)
+    (d,) = call("allocate_blocks", 1)
+    call("write_blocks", [d])
+    call("fail_blocks", [d])
+    call("roll_back_blocks", {c: 1})
+    call("publish_block", a, h1)
+    call("validate_blocks", [a, b])
+    call("acquire_blocks", [a])
+    call("release_blocks", [a])
+    pool.block_records[b].ref_cnt += 1  # as an engine's copy-on-write counts one
+    call("disown_reference", b)
+    ticket = call("begin_store", a)
+    call("ack_store", ticket)
+    call("fail_store", call("begin_store", a, "other"))
+    call("forget_tier_copy", "default", h1)
+    call("invalidate", [h1])
+    call("release_blocks", [a, b, c, d])
+    for name in ("take_blocks_to_zero", "take_slots_to_zero", "take_events"):
+        call(name)
+    assert call("reset_prefix_cache")
+
+
+@pytest.mark.parametrize("via_facades", [False, True], ids=["pool", "facades"])
+def test_the_invariant_check_follows_every_mutator(
+    monkeypatch: pytest.MonkeyPatch, via_facades: bool
+) -> None:
+    """With ``check_invariants=True`` each mutating call checks the pool once, made on
+    the pool or on its façade (the hot callers' way); without it, none does."""
+    import kvguard.invariants
+    import kvguard.pool
+
+    checks: list[object] = []
+    real_check = kvguard.invariants.check_pool
+
+    def counting_check(pool: kvguard.BlockPool) -> None:
+        checks.append(pool)
+        real_check(pool)
+
+    monkeypatch.setattr(kvguard.pool, "check_pool", counting_check)
+    pool = kvguard.BlockPool(8, 4, check_invariants=True)
+    called: list[str] = []
+
+    def checked_once(name: str) -> None:
+        called.append(name)
+        assert len(checks) == len(called), f"{name} was not checked"
+
+    _call_every_mutator(pool, via_facades, checked_once)
+    assert set(called) == set(_MUTATORS)
+    assert set(checks) == {pool}
+
+    checks.clear()
+    quiet = kvguard.BlockPool(8, 4, check_invariants=False)
+    _call_every_mutator(quiet, via_facades, lambda name: None)
+    assert checks == []
 
 
 def test_a_subclass_override_is_not_shadowed_by_the_facade_binding() -> None:
