@@ -86,6 +86,22 @@ class BlockSteps:
         except UnknownBlockError:
             self._kernel.release_held(self._checked_ids(ids), steps_passed)
 
+    def evict_first(self, block_ids: Iterable[int]) -> None:
+        """A lower tier holds copies of these blocks: those queued as cached
+        (PUBLISHED/OFFLOADED, no reference) are evicted before the other cached blocks
+        of their retention class, the first named first -- vLLM's
+        ``free_blocks(..., evict_first=True)``, after which a lazy CPU offloader walks
+        the free queue from its head. Quarantined and empty blocks are still handed out
+        before any cached one; ids not queued as cached are left where they are. Only
+        the order changes: no block changes state, so nothing becomes storable or
+        matchable that was not."""
+        ids = self._ids(block_ids)
+        try:
+            self._kernel.check_ids(ids)
+        except UnknownBlockError:
+            ids = self._checked_ids(ids)
+        self._kernel.evict_first(ids)
+
     def write_blocks(self, block_ids: Iterable[int]) -> None:
         """A scheduled step writes into these block-level-held blocks.
 

@@ -202,6 +202,18 @@ class FreeQueue:
             if key > retention:
                 yield from later
 
+    def evict_first(self, block_ids: list[int]) -> None:
+        """Move the queued cached ones of ``block_ids`` to the front of their eviction
+        class, ``block_ids[0]`` first: they are evicted before the class's other cached
+        blocks (quarantined and empty blocks still go before any). Ids not queued as
+        cached are skipped."""
+        retention = self.retention
+        classes = self.evictable
+        for block_id in reversed(block_ids):
+            bucket = classes.get(retention.get(block_id, 0))
+            if bucket is not None and block_id in bucket:
+                bucket.move_to_end(block_id, last=False)
+
     def remove_evictable(self, block: Block) -> None:
         """Take a cached block out of the queue (a prefix hit, or an invalidation)."""
         retention = self.retention.get(block.block_id, 0)

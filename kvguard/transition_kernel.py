@@ -798,6 +798,12 @@ class TransitionKernel:
             return PublishOutcome.DEFERRED
         raise IllegalTransitionError(block_id, state, _PUBLISH)
 
+    def evict_first(self, block_ids: list[int]) -> None:
+        """Queue order only, no state changes: the cached blocks of ``block_ids`` with
+        no reference are evicted before the other cached blocks of their retention
+        class (:meth:`FreeQueue.evict_first`)."""
+        self.free.evict_first(block_ids)
+
     def disown(self, block_id: int) -> None:
         """Take back a reference an engine counted by writing the record's ``ref_cnt``
         itself (checked by the caller: one beyond kvguard's own)."""
