@@ -280,7 +280,7 @@ def validate_steps_sketch(pool: BlockPool, request_ids: Sequence[str]) -> list[S
     lookups gone. It reads the pool's private parts, as only kvguard's own code may;
     ``tests/test_pool_ops_batch_sketch.py`` checks that it leaves the pool, results and
     events exactly as the single calls do."""
-    steps = pool._request_steps
+    steps = pool.request_steps
     requests = steps._requests
     records = []
     for request_id in request_ids:

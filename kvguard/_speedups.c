@@ -48,9 +48,12 @@ typedef struct {
     PyObject *writers_map, *pending_map, *retention_map;
     PyObject *zero_int, *one_int;      /* 0 and 1 */
     /* The Python primitives these twins stand for: each twin calls its own when it
-     * declines (having changed nothing), and release_held hands the blocks it does not
-     * settle itself to settle_released. Set by fallbacks(). */
+     * declines (having changed nothing); release_held hands the blocks it does not
+     * settle itself to settle_released, release_table to drop_last_refs. Set by
+     * fallbacks(). */
     PyObject *py_allocate, *py_acquire, *py_release_held, *py_validate_held, *settle_released;
+    /* release_table's primitive, and the end of it in Python (drop_last_refs). */
+    PyObject *py_release_table, *drop_last_refs;
     int zero_all;                      /* zero_policy ALL: every allocation queues zeroing */
     int zero_suspect;                  /* zero_policy SUSPECT: reused quarantined blocks do */
     Py_ssize_t off_block_id, off_state, off_ref_cnt, off_block_hash, off_parent_hash,
@@ -236,6 +239,8 @@ FastPath_dealloc(FastPath *self)
     Py_CLEAR(self->py_release_held);
     Py_CLEAR(self->py_validate_held);
     Py_CLEAR(self->settle_released);
+    Py_CLEAR(self->py_release_table);
+    Py_CLEAR(self->drop_last_refs);
     Py_CLEAR(self->writers_map);
     Py_CLEAR(self->pending_map);
     Py_CLEAR(self->retention_map);
@@ -266,6 +271,8 @@ FastPath_traverse(FastPath *self, visitproc visit, void *arg)
     Py_VISIT(self->py_release_held);
     Py_VISIT(self->py_validate_held);
     Py_VISIT(self->settle_released);
+    Py_VISIT(self->py_release_table);
+    Py_VISIT(self->drop_last_refs);
     Py_VISIT(self->writers_map);
     Py_VISIT(self->pending_map);
     Py_VISIT(self->retention_map);
@@ -289,6 +296,8 @@ FastPath_clear(FastPath *self)
     Py_CLEAR(self->py_release_held);
     Py_CLEAR(self->py_validate_held);
     Py_CLEAR(self->settle_released);
+    Py_CLEAR(self->py_release_table);
+    Py_CLEAR(self->drop_last_refs);
     Py_CLEAR(self->writers_map);
     Py_CLEAR(self->pending_map);
     Py_CLEAR(self->retention_map);
@@ -817,6 +826,77 @@ error:
     return NULL;
 }
 
+/* release_table(table: list[int], retention: int) -> None
+ *
+ * TransitionKernel.release_table: a request is gone, so one reference of each block of
+ * its table is dropped, tail first. Blocks whose last reference goes and whose state a
+ * release leaves cached take the request's retention class (the retention map) and
+ * join that class's eviction queue, in release order (FreeQueue.push_evictable_ids);
+ * the others, in release order, are settled by the kernel's drop_last_refs. Declines
+ * (nothing changed; the Python primitive runs) unless the table is a list of the
+ * pool's block ids whose reference counts are ints, and the retention an int.
+ */
+static PyObject *
+FastPath_release_table(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "release_table(table, retention)");
+        return NULL;
+    }
+    PyObject *table = args[0], *retention = args[1];
+    if (self->blocks == NULL || !PyList_CheckExact(table) || !PyLong_CheckExact(retention))
+        DECLINE(py_release_table);
+    int keep_class = PyObject_IsTrue(retention); /* retention != 0 */
+    if (keep_class < 0)
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(table);
+    long ref_cnt = 0;
+    /* Checking pass: the applying pass cannot stop half-way. */
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *block = block_of(self, PyList_GET_ITEM(table, k));
+        if (block == NULL || !get_long(block, self->off_ref_cnt, &ref_cnt))
+            DECLINE(py_release_table);
+    }
+    PyObject *cached = PyList_New(0), *released = PyList_New(0);
+    if (cached == NULL || released == NULL)
+        goto error;
+    for (Py_ssize_t k = n - 1; k >= 0; k--) {
+        PyObject *block = block_of(self, PyList_GET_ITEM(table, k));
+        get_long(block, self->off_ref_cnt, &ref_cnt); /* (re-read: an id may repeat) */
+        if (add_to_field(block, self->off_ref_cnt, ref_cnt, -1) < 0)
+            goto error;
+        if (ref_cnt != 1)
+            continue;
+        PyObject *into = in_tuple(self->stays_cached, FIELD(block, self->off_state)) ? cached
+                                                                                    : released;
+        if (PyList_Append(into, block) < 0)
+            goto error;
+    }
+    /* TransitionKernel._set_retention, then the eviction queue of that class. */
+    Py_ssize_t num_cached = PyList_GET_SIZE(cached);
+    for (Py_ssize_t k = 0; k < num_cached; k++) {
+        PyObject *id_obj = FIELD(PyList_GET_ITEM(cached, k), self->off_block_id);
+        if (keep_class ? PyDict_SetItem(self->retention_map, id_obj, retention) < 0
+                       : (PyDict_GET_SIZE(self->retention_map) &&
+                          forget(self->retention_map, id_obj) < 0))
+            goto error;
+    }
+    if (enqueue_evictable(self, cached) < 0)
+        goto error;
+    Py_CLEAR(cached);
+    if (PyList_GET_SIZE(released) == 0) {
+        Py_DECREF(released);
+        Py_RETURN_NONE;
+    }
+    PyObject *dropped = PyObject_CallFunctionObjArgs(self->drop_last_refs, released, retention, NULL);
+    Py_DECREF(released);
+    return dropped;
+error:
+    Py_XDECREF(cached);
+    Py_XDECREF(released);
+    return NULL;
+}
+
 /* validate_held(ids: list[int], publish: dict | None)
  *     -> (validated, published, duplicates)
  *
@@ -1043,33 +1123,33 @@ FastPath_acquire(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
-/* fallbacks(allocate, acquire, release_held, validate_held, settle_released)
+/* fallbacks(allocate, acquire, release_held, validate_held, release_table,
+ *           settle_released, drop_last_refs)
  *
- * The Python primitives the twins stand for, and the end of release_held in Python. */
+ * The Python primitives the twins stand for, and the ends of release_held and
+ * release_table in Python. */
 static PyObject *
 FastPath_fallbacks(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 5) {
+    if (nargs != 7) {
         PyErr_SetString(PyExc_TypeError,
-                        "fallbacks(allocate, acquire, release_held, validate_held, settle)");
+                        "fallbacks(allocate, acquire, release_held, validate_held, "
+                        "release_table, settle_released, drop_last_refs)");
         return NULL;
     }
-    for (Py_ssize_t k = 0; k < 5; k++) {
+    for (Py_ssize_t k = 0; k < 7; k++) {
         if (!PyCallable_Check(args[k])) {
             PyErr_SetString(PyExc_TypeError, "FastPath.fallbacks() takes callables");
             return NULL;
         }
     }
-    Py_INCREF(args[0]);
-    Py_XSETREF(self->py_allocate, args[0]);
-    Py_INCREF(args[1]);
-    Py_XSETREF(self->py_acquire, args[1]);
-    Py_INCREF(args[2]);
-    Py_XSETREF(self->py_release_held, args[2]);
-    Py_INCREF(args[3]);
-    Py_XSETREF(self->py_validate_held, args[3]);
-    Py_INCREF(args[4]);
-    Py_XSETREF(self->settle_released, args[4]);
+    PyObject **slots[7] = {&self->py_allocate,      &self->py_acquire,      &self->py_release_held,
+                           &self->py_validate_held, &self->py_release_table, &self->settle_released,
+                           &self->drop_last_refs};
+    for (Py_ssize_t k = 0; k < 7; k++) {
+        Py_INCREF(args[k]);
+        Py_XSETREF(*slots[k], args[k]);
+    }
     Py_RETURN_NONE;
 }
 
@@ -1082,8 +1162,11 @@ static PyMethodDef FastPath_methods[] = {
      "validate_held(ids, publish) -> (validated, published, duplicates)"},
     {"acquire", (PyCFunction)(void (*)(void))FastPath_acquire, METH_FASTCALL,
      "acquire(ids, held) -> None"},
+    {"release_table", (PyCFunction)(void (*)(void))FastPath_release_table, METH_FASTCALL,
+     "release_table(table, retention) -> None"},
     {"fallbacks", (PyCFunction)(void (*)(void))FastPath_fallbacks, METH_FASTCALL,
-     "fallbacks(allocate, acquire, release_held, validate_held, settle_released)"},
+     "fallbacks(allocate, acquire, release_held, validate_held, release_table, "
+     "settle_released, drop_last_refs)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -40,6 +40,7 @@ class FastPath:
         zero_suspect: bool,
     ) -> None: ...
     def allocate(self, n: int, held: bool, write: bool) -> list[int]: ...
+    def release_table(self, table: list[int], retention: int) -> None: ...
     def release_held(self, block_ids: list[int], steps_passed: bool) -> None: ...
     def validate_held(
         self, block_ids: list[int], publish: Mapping[int, PendingPublication] | None
@@ -54,7 +55,9 @@ class FastPath:
             [list[int], Mapping[int, PendingPublication] | None],
             tuple[list[int], list[int], list[int]],
         ],
+        release_table: Callable[[list[int], int], None],
         settle_released: Callable[[list[Block], bool], None],
+        drop_last_refs: Callable[[list[Block], int | None], None],
     ) -> None: ...
 
 class FillNotes:

@@ -4,14 +4,15 @@ extension ``kvguard._speedups``).
 An engine's scheduler calls the pool several times per step, and in pure Python
 kvguard's allocation, release, prefix-hit and validation calls cost more than vLLM's
 own pool does for the same blocks (``docs/benchmarks.md``). The extension does the
-common case of four primitives of :class:`kvguard.transition_kernel.TransitionKernel`
-in C -- ``allocate``, ``acquire``, ``release_held``, ``validate_held``, same names, same
-arguments -- (and the vLLM adapter's noting of filled blocks, :func:`fill_notes`), with
-exactly the effects of the Python primitive; anything else -- the zeroing policy "all",
-a validation while kvguard records events, a release or validation that must raise, a
-clean release whose block still waits for its publication -- declines (None/False,
-nothing changed) and the Python primitive runs: it stays the reference and names every
-error. Both are tested against each other (``tests/test_fast_path.py``).
+common case of five primitives of :class:`kvguard.transition_kernel.TransitionKernel`
+in C -- ``allocate``, ``acquire``, ``release_table``, ``release_held``,
+``validate_held``, same names, same arguments -- (and the vLLM adapter's noting of
+filled blocks, :func:`fill_notes`), with exactly the effects of the Python primitive;
+anything else -- the zeroing policy "all", a validation while kvguard records events, a
+release or validation that must raise, a clean release whose block still waits for its
+publication -- declines (None/False, nothing changed) and the Python primitive runs: it
+stays the reference and names every error. Both are tested against each other
+(``tests/test_fast_path.py``).
 
 It is built when the package is installed from source with a C compiler at hand;
 without one, or with ``KVGUARD_PURE_PYTHON=1`` in the environment when a pool is

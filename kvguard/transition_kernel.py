@@ -34,9 +34,9 @@ Every place that changes a block's state, by primitive:
 ``evict_all``                 every evictable cached block --EVICT--> FREE
 ============================  ==========================================================
 
-Four primitives have a compiled twin (:mod:`kvguard.fast_path`, the C extension
-``kvguard._speedups``): ``allocate``, ``acquire``, ``release_held`` and
-``validate_held``. When the extension is built, each twin *is* the kernel's method of
+Five primitives have a compiled twin (:mod:`kvguard.fast_path`, the C extension
+``kvguard._speedups``): ``allocate``, ``acquire``, ``release_table``, ``release_held``
+and ``validate_held``. When the extension is built, each twin *is* the kernel's method of
 that name: same arguments, same result, the common case done in C with exactly the
 effects of the Python primitive; anything else it declines, changing nothing, by
 calling the Python primitive here -- the reference, which names every error.
@@ -177,7 +177,7 @@ class TransitionKernel:
         self.counters = Counters()
         self._zero_all = zero_policy is ZeroPolicy.ALL
         self._zero_suspect = zero_policy is ZeroPolicy.SUSPECT
-        # The compiled twins of four primitives when the extension was built (else None).
+        # The compiled twins of five primitives when the extension was built (else None).
         self._fast = fast_path(
             block_type,
             self.blocks,
@@ -213,10 +213,13 @@ class TransitionKernel:
                 self.acquire,
                 self.release_held,
                 self.validate_held,
+                self.release_table,
                 self._settle_released,
+                self._drop_last_refs,
             )
             self.allocate = fast.allocate  # type: ignore[method-assign]
             self.acquire = fast.acquire  # type: ignore[method-assign]
+            self.release_table = fast.release_table  # type: ignore[method-assign]
             self.release_held = fast.release_held  # type: ignore[method-assign]
             self.validate_held = fast.validate_held  # type: ignore[method-assign]
 

@@ -726,6 +726,65 @@ def test_release_mixing_cached_freed_and_pending_blocks(pair_of: Callable[..., P
 
 @requires_speedups
 @pytest.mark.parametrize("record_events", [True, False])
+def test_free_releases_a_table_tail_first_in_c(
+    pair_of: Callable[..., Pair], record_events: bool
+) -> None:
+    """``free`` over blocks another request still holds, published ones, a validated
+    partial one and one its pending step still writes, with and without a retention
+    class (and a class to forget): the twin does it all, declining nothing, as the
+    Python primitive does."""
+    from kvguard.transition_kernel import TransitionKernel
+
+    pair = pair_of(16, record_events=record_events)
+    kernel = pair.fast._kernel
+    declined: list[tuple[list[int], int]] = []
+
+    def release_table(table: list[int], retention: int) -> None:
+        declined.append((list(table), retention))
+        TransitionKernel.release_table(kernel, table, retention)
+
+    assert kernel._fast is not None
+    kernel._fast.fallbacks(  # the same primitives, release_table's recorded
+        TransitionKernel.allocate.__get__(kernel),
+        TransitionKernel.acquire.__get__(kernel),
+        TransitionKernel.release_held.__get__(kernel),
+        TransitionKernel.validate_held.__get__(kernel),
+        release_table,
+        kernel._settle_released,
+        kernel._drop_last_refs,
+    )
+    n = 3 * BLOCK_SIZE + 2
+    pair.ok("add_request", "a", block_hashes=[H0, H1, H2], retention=2)
+    pair.ok("allocate", "a", n)
+    pair.ok("write", "a", n)
+    pair.ok("validate_step", "a")
+    a0, a1, a2, partial = pair.fast.block_table("a")
+    pair.ok("add_request", "b", block_hashes=[H0, H1, H3])
+    hit = {pool: pool.lookup("b") for pool in _both(pair)}
+    pair.run("allocate b with its hit", lambda pool: pool.allocate("b", n, hit=hit[pool]))
+    pair.ok("write", "b", n - 2 * BLOCK_SIZE)  # pending: never validated
+    written = pair.fast.block_table("b")[2:]
+
+    pair.ok("free", "a")
+    for pool in _both(pair):
+        assert [b.ref_cnt for b in _blocks(pool, a0, a1, a2, partial)] == [1, 1, 0, 0]
+        assert pool.block_state(partial) is S.FREE
+        assert pool._kernel.retention == {a2: 2}
+    pair.ok("free", "b")
+    for pool in _both(pair):
+        assert [pool.block_state(b) for b in written] == [S.QUARANTINED, S.QUARANTINED]
+        assert pool._kernel.free.snapshot()[2] == (a1, a0, a2)  # class 0 first
+    pair.ok("add_request", "c", block_hashes=[H0, H1, H2])
+    hit = {pool: pool.lookup("c") for pool in _both(pair)}
+    pair.run("allocate c with its hit", lambda pool: pool.allocate("c", n, hit=hit[pool]))
+    pair.ok("free", "c")  # class 0: a2 forgets its class 2
+    for pool in _both(pair):
+        assert pool._kernel.retention == {}
+    assert declined == []
+
+
+@requires_speedups
+@pytest.mark.parametrize("record_events", [True, False])
 def test_validate_with_duplicate_hash(pair_of: Callable[..., Pair], record_events: bool) -> None:
     """A held publication whose hash is indexed already: the block stays VALIDATED and
     keeps the hash (a duplicate); a hash named twice in one call publishes the first."""
@@ -818,7 +877,7 @@ def test_quarantined_blocks_are_reused_first(
 
 # -- the primitives themselves --------------------------------------------------------
 
-ACCELERATED = ("allocate", "acquire", "release_held", "validate_held")
+ACCELERATED = ("allocate", "acquire", "release_table", "release_held", "validate_held")
 """The transition kernel's primitives that have compiled twins."""
 
 
