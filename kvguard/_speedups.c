@@ -668,6 +668,30 @@ error:
     return -1;
 }
 
+/* FreeQueue.push_evictable_ids(retention, ids): cached blocks of one retention class
+ * join its eviction queue, ids[0] to be evicted first. */
+static int
+enqueue_evictable_ids(FastPath *self, PyObject *retention, PyObject *ids)
+{
+    Py_ssize_t n = PyList_GET_SIZE(ids);
+    if (n == 0)
+        return 0;
+    PyObject *bucket = PyObject_CallMethod(self->free_queue, "eviction_class", "O", retention);
+    if (bucket == NULL)
+        return -1;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (PyObject_SetItem(bucket, PyList_GET_ITEM(ids, k), Py_None) < 0) {
+            Py_DECREF(bucket);
+            return -1;
+        }
+    }
+    Py_DECREF(bucket);
+    if (bump_field(self->free_queue, self->off_num_evictable, n) < 0 ||
+        bump_field(self->free_queue, self->off_size, n) < 0)
+        return -1;
+    return 0;
+}
+
 /* release_held(ids: list[int], steps_passed) -> None
  *
  * TransitionKernel.release_held: one block-level reference of each id in turn; a block whose last reference goes is *cached* (a state a release leaves
@@ -867,21 +891,22 @@ FastPath_release_table(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
             goto error;
         if (ref_cnt != 1)
             continue;
-        PyObject *into = in_tuple(self->stays_cached, FIELD(block, self->off_state)) ? cached
-                                                                                    : released;
-        if (PyList_Append(into, block) < 0)
+        int stays = in_tuple(self->stays_cached, FIELD(block, self->off_state));
+        if (PyList_Append(stays ? cached : released, stays ? FIELD(block, self->off_block_id)
+                                                           : block) < 0)
             goto error;
     }
     /* TransitionKernel._set_retention, then the eviction queue of that class. */
     Py_ssize_t num_cached = PyList_GET_SIZE(cached);
-    for (Py_ssize_t k = 0; k < num_cached; k++) {
-        PyObject *id_obj = FIELD(PyList_GET_ITEM(cached, k), self->off_block_id);
-        if (keep_class ? PyDict_SetItem(self->retention_map, id_obj, retention) < 0
-                       : (PyDict_GET_SIZE(self->retention_map) &&
-                          forget(self->retention_map, id_obj) < 0))
-            goto error;
+    if (keep_class || PyDict_GET_SIZE(self->retention_map)) {
+        for (Py_ssize_t k = 0; k < num_cached; k++) {
+            PyObject *id_obj = PyList_GET_ITEM(cached, k);
+            if (keep_class ? PyDict_SetItem(self->retention_map, id_obj, retention) < 0
+                           : forget(self->retention_map, id_obj) < 0)
+                goto error;
+        }
     }
-    if (enqueue_evictable(self, cached) < 0)
+    if (enqueue_evictable_ids(self, retention, cached) < 0)
         goto error;
     Py_CLEAR(cached);
     if (PyList_GET_SIZE(released) == 0) {
