@@ -472,7 +472,8 @@ class FaultTrace:
         record grows with the requests a server has seen."""
         s = self.s
         pool = s.kvguard_pool
-        assert pool.ledger is s._kvguard_ledger and pool.ledger.is_empty()
+        assert s._kvguard_ledger.is_empty()
+        assert not (pool.pending or pool.held_events or pool.take_cached() or pool.take_copies())
         assert not s._kvguard_clean and not s._kvguard_unchecked
         recorded = 0
         for connector in s._kvguard_connectors():

@@ -113,9 +113,12 @@ def test_touch_takes_references_on_hits_but_not_on_the_null_block() -> None:
 
 
 def _taken(pool: GuardedBlockPool) -> tuple[dict[str, list[int]], dict[int, PendingPublication]]:
-    """What the pool's ledger noted (no scheduler drives it), taken."""
-    noted = pool.ledger.take_noted()
-    return noted.fills, noted.publications
+    """What the pool's outbox holds (no scheduler drives it), taken, and the
+    publications it holds back for those blocks."""
+    fills: dict[str, list[int]] = {}
+    for owner, block_ids, _, _ in pool.take_cached():
+        fills.setdefault(owner, []).extend(block_ids)
+    return fills, dict(pool.pending)
 
 
 def _noted(
@@ -229,8 +232,8 @@ def test_a_broken_view_is_a_consistency_error_not_an_assertion() -> None:
     pool = _pool()
     (block,) = pool.get_new_blocks(1)
     pool.blocks[5].is_null = True
-    pool.ledger.hold("r", block.block_id, (BlockHash(b"h" * 20), None, "r"), 4)
-    pool.free_blocks([block])  # quarantined: a publication held for it is now wrong
+    pool.free_blocks([block])  # quarantined
+    pool.pending[block.block_id] = (BlockHash(b"h" * 20), None, "r")  # (wrong now)
     with pytest.raises(ConsistencyError) as info:
         pool.check_consistency()
     assert not isinstance(info.value, AssertionError)

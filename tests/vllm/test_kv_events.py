@@ -36,8 +36,7 @@ def _fill(pool: Any, guarded: bool, prompt: list[int], req_id: str) -> tuple[Any
 
 
 def _validate(pool: Any) -> None:
-    noted = pool.ledger.take_noted()
-    pool.validate_fills([b for ids in noted.fills.values() for b in ids], noted.publications)
+    pool.validate_fills([b for _, ids, _, _ in pool.take_cached() for b in ids])
 
 
 def test_block_stored_waits_for_validation_and_matches_stock() -> None:

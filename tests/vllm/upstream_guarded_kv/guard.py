@@ -7,13 +7,16 @@ that caches blocks is a step whose output came back clean once it returns.
 - A step is a call of ``KVCacheManager.allocate_slots`` or ``.cache_blocks``, of a
   single-type manager's ``cache_blocks`` that the test makes itself, or of the pool's
   ``cache_full_blocks`` / ``cache_partial_block`` that the test makes itself. When the
-  outermost one returns, what kvguard's pool held back for it is validated:
-  ``block_pool.ledger.take_noted()`` handed to ``block_pool.validate_fills`` (and the
-  ledger's settled fills, ``validate_settled``), as a guarded scheduler validates a
-  step's fills when its output is clean. A step that raises validates nothing.
-- The ledger's ``settles`` (:meth:`CleanSteps.settles`): tokens of a request that a step
-  which returned covered were written by steps that all reported clean (a Mamba
-  checkpoint's copy-on-write publishes its copy then, as under a guarded scheduler).
+  outermost one returns, what kvguard's pool held back for it is validated: the pool's
+  outbox (``block_pool.take_cached()``) handed to ``block_pool.validate_fills``, as a
+  guarded scheduler validates a step's fills when its output is clean. A step that
+  raises validates nothing.
+- The guarded scheduler's ``settles`` rule (:meth:`CleanSteps.settles`): tokens of a
+  request that a step which returned covered were written by steps that all reported
+  clean. Blocks cached over such tokens are validated before any block is released (the
+  pool's question on every release, ``window_frees``, takes the outbox first), and a
+  Mamba checkpoint's copy-on-write (``block_pool.take_copies()``) publishes its copy
+  then, as under a guarded scheduler.
 - Releases vLLM makes for a request whose steps all came back clean -- a single-type
   manager's ``free(request_id)`` (``KVCacheManager.free``) and its
   ``remove_skipped_blocks`` (window, R-SWA gap, retired Mamba states) -- say so
@@ -47,7 +50,6 @@ from kvguard.adapters.vllm.pool.manager import (
     _guarded_mamba_allocation,
     install_guarded_pool,
 )
-from kvguard.adapters.vllm.scheduler.step_ledger import StepLedger
 from tests.vllm.upstream.conftest import OTHER_SERIES
 
 SERIES = "0.34"
@@ -67,11 +69,12 @@ GUARD = GuardConfig(enabled=True, check_invariants=True)
 
 class CleanSteps:
     """One guarded pool's steps: validation when the outermost step returns, the
-    ledger's ``settles`` rule, and how releases go (see the module docstring)."""
+    ``settles`` rule, and how releases go (see the module docstring)."""
 
     def __init__(self) -> None:
         self.pool: GuardedBlockPool | None = None
-        self.ledger = StepLedger(settles=self.settles)
+        self.held: list[int] = []
+        """Blocks the steps running now fill, taken from the pool's outbox, not settled."""
         self.depth = 0
         self.clean_releases = 0
         """> 0 while vLLM releases blocks for a request whose steps came back clean."""
@@ -88,9 +91,32 @@ class CleanSteps:
         return num_tokens <= self.reported.get(request_id, 0)
 
     def window_frees(self, block_ids: list[int]) -> bool | None:
-        """The pool's question on every release (:attr:`GuardedBlockPool.window_frees`):
+        """The pool's question on every release (:attr:`GuardedBlockPool.window_frees`),
+        after what was cached is taken (settled blocks validated before any release):
         True inside a clean release, else None (vLLM's own call: as its caller said)."""
+        self._take_cached()
         return True if self.clean_releases else None
+
+    def _take_cached(self) -> None:
+        """The pool's outbox: blocks cached over settled tokens, and copies of settled
+        states, validated now; other blocks held for the step's end; other copies'
+        entries withdrawn."""
+        pool = self.pool
+        assert pool is not None
+        settled: list[int] = []
+        held = self.held
+        for owner, block_ids, num_tokens, once in pool.take_cached():
+            if self.settles(owner, num_tokens):
+                settled += block_ids
+            elif not (once and block_ids[0] in held):
+                held += block_ids
+        for owner, block_id, num_tokens in pool.take_copies():
+            if self.settles(owner, num_tokens):
+                settled.append(block_id)
+            else:
+                pool.withdraw([block_id])
+        if settled:
+            pool.validate_fills(settled)
 
     def step(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``call(*args, **kwargs)`` as a step; validated when the outermost returns."""
@@ -123,11 +149,10 @@ class CleanSteps:
     def _validate(self) -> None:
         pool = self.pool
         assert pool is not None
-        pool.validate_settled()
-        noted = pool.ledger.take_noted()
-        filled = [block_id for ids in noted.fills.values() for block_id in ids]
+        self._take_cached()
+        filled, self.held = self.held, []
         if filled:
-            pool.validate_fills(filled, noted.publications)
+            pool.validate_fills(filled)
         for req_id, num_tokens in self.caching.items():
             self.reported[req_id] = max(self.reported.get(req_id, 0), num_tokens)
         self.caching.clear()
@@ -138,8 +163,10 @@ class CleanSteps:
         unvalidated, quarantined on release)."""
         pool = self.pool
         assert pool is not None
-        pool.ledger.take_settled()
-        pool.ledger.take_noted()
+        dropped = [b for _, ids, _, _ in pool.take_cached() for b in ids]
+        dropped += [block_id for _, block_id, _ in pool.take_copies()]
+        pool.withdraw([*dropped, *self.held])
+        self.held = []
         self.caching.clear()
 
 
@@ -193,7 +220,7 @@ class CleanGuardedBlockPool(GuardedBlockPool):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         steps = CleanSteps()
-        super().__init__(*args, guard=GUARD, ledger=steps.ledger, **kwargs)
+        super().__init__(*args, guard=GUARD, **kwargs)
         steps.attach(self)
         self.clean_steps = steps
         _guard_pool_calls(self, steps)
@@ -207,7 +234,7 @@ class CleanGuardedKVCacheManager(KVCacheManager):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         steps = CleanSteps()
-        pool = install_guarded_pool(self, GUARD, ledger=steps.ledger)
+        pool = install_guarded_pool(self, GUARD)
         steps.attach(pool)
         pool.clean_steps = steps
         self.clean_steps = steps

@@ -11,11 +11,14 @@ blocks first), the prefix index and the zero queue. The block objects vLLM's man
 hold are kvguard's own block records
 (:class:`~kvguard.adapters.vllm.pool.kv_block.GuardedKVCacheBlock`): the ``ref_cnt`` and
 ``block_hash`` vLLM reads are kvguard's, written once, never a mirrored copy.
-``cache_full_blocks`` no longer inserts at schedule time: it notes the blocks vLLM
-caches and the publication each is due (hash, parent, owner) in the pool's
-:class:`~kvguard.adapters.vllm.scheduler.step_ledger.StepLedger`, the one record of what is held
-back; :meth:`validate_fills` hands both to kvguard once the step that filled them is
-clean, and kvguard validates and publishes them in one call. How a release goes is said
+``cache_full_blocks`` no longer inserts at schedule time: it holds back the publication
+each block vLLM caches is due (hash, parent, owner: :attr:`GuardedBlockPool.pending`)
+and puts the blocks in the pool's outbox, which whoever drives the pool takes
+(:meth:`GuardedBlockPool.take_cached`, like ``take_blocks_to_zero``): the guarded
+scheduler, into the record of the step that fills them. :meth:`validate_fills` hands
+the blocks to kvguard once that step is clean, and kvguard validates and publishes them
+under their held publications in one call. The pool never calls into its driver's
+records. How a release goes is said
 in the call: ``free_blocks(blocks, steps_passed=True)`` for the blocks of a request
 that leaves after a clean step (vLLM's own calls leave it False: unvalidated blocks are
 quarantined).
@@ -33,7 +36,7 @@ Static sink and HiSparse groups are refused at install time
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -65,7 +68,6 @@ from kvguard.adapters.vllm.config import GuardConfig, GuardConfigError  # noqa: 
 from kvguard.adapters.vllm.exits.gate import group_suffix  # noqa: E402
 from kvguard.adapters.vllm.exits.tier_purge import TierPurgeReport, TierPurgers  # noqa: E402
 from kvguard.adapters.vllm.pool.kv_block import GuardedKVCacheBlock  # noqa: E402
-from kvguard.adapters.vllm.scheduler.step_ledger import StepLedger  # noqa: E402
 from kvguard.block import PendingPublication  # noqa: E402
 from kvguard.errors import (  # noqa: E402
     ConsistencyError,
@@ -81,6 +83,19 @@ from kvguard.results import BlockValidation  # noqa: E402
 from kvguard.states import MATCHABLE_STATES, BlockState  # noqa: E402
 
 _WRITTEN = BlockState.WRITTEN
+
+CachedFill = tuple[str, list[int], int, bool]
+"""What vLLM cached in one call (:meth:`GuardedBlockPool.take_cached`): (request id,
+the blocks a step in flight fills, the request's tokens they cover, ``once``: an entry
+for one block that a step may register again after withdrawing it -- noted once)."""
+
+CachedCopy = tuple[str, int, int]
+"""A copy-on-write that took over a held entry (:meth:`GuardedBlockPool.take_copies`):
+(request id, the copy's block id, the request's tokens its entry covers)."""
+
+BlockStoredArgs = tuple[Any, int, int, int]
+"""What vLLM's ``BlockStored`` event for a held block is built from: (vLLM's request,
+block index, block size, KV cache group)."""
 
 
 class GuardModeUnsupported(NotImplementedError):
@@ -166,17 +181,16 @@ class GuardedBlockPool(BlockPool):
         self,
         *args: Any,
         guard: GuardConfig,
-        ledger: StepLedger | None = None,
         window_frees: Callable[[list[int]], bool | None] | None = None,
         **kwargs: Any,
     ) -> None:
         """vLLM's own constructor arguments (whatever the series takes, see
         _compat.block_pool_kwargs; its settings are read back from the attributes it
-        sets), the guard's settings, and from a guarded scheduler: its ``ledger``
-        (else a ledger of the pool's own, whose noted fills the caller takes) and, on
-        a model with window groups, ``window_frees``: whether every step that wrote
-        the blocks vLLM frees passed -- True or False while vLLM frees a running
-        request's window, local chunk or R-SWA gap, None for any other release."""
+        sets), the guard's settings, and from a guarded scheduler, on a model with
+        window groups, ``window_frees``: the pool's question on every release --
+        whether every step that wrote the blocks vLLM frees passed: True or False
+        while vLLM frees a running request's window, local chunk or R-SWA gap, None
+        for any other release."""
         super().__init__(*args, **kwargs)
         if not guard.enabled:
             raise GuardConfigError(
@@ -184,9 +198,16 @@ class GuardedBlockPool(BlockPool):
                 "BlockPool runs (install_guarded_pool is for a guard that is on)"
             )
         self.guard = guard
-        # Every publication held back, and what it waits for (cache_full_blocks notes
-        # them there).
-        self.ledger = ledger if ledger is not None else StepLedger()
+        self.pending: dict[int, PendingPublication] = {}
+        """Block id -> the publication held back for a block vLLM cached (or registered
+        an entry for) until the step that fills it validates; gone when the block is
+        validated, fails, or is released (:meth:`free_blocks`), or vLLM withdraws the
+        entry."""
+        self.held_events: dict[int, BlockStoredArgs] = {}
+        """With vLLM's KV events on: block id -> what vLLM's ``BlockStored`` event is
+        built from once the held block is published."""
+        self._cached: list[CachedFill] = []
+        self._copies: list[CachedCopy] = []
         self.window_frees = window_frees
         core = KvGuardPool(
             self.num_gpu_blocks,
@@ -244,40 +265,62 @@ class GuardedBlockPool(BlockPool):
     # tail block, until its request ends after a clean step. A decode step writing one
     # more token into a partial block therefore costs the guard nothing.
 
-    def validate_fills(
-        self,
-        block_ids: Sequence[int],
-        publications: Mapping[int, PendingPublication] | None = None,
-    ) -> BlockValidation:
+    def take_cached(self) -> list[CachedFill]:
+        """What vLLM cached since the last call (:data:`CachedFill`, in call order):
+        the blocks a step in flight fills, their publications held in :attr:`pending`."""
+        cached = self._cached
+        if cached:
+            self._cached = []
+        return cached
+
+    def take_copies(self) -> list[CachedCopy]:
+        """The copy-on-writes since the last call that took over an entry
+        (:meth:`move_block_hashes`) and whose copy is still held: each is published
+        (:meth:`validate_fills`) if every step that computed the state it copies was
+        counted clean, else its entry withdrawn (:meth:`withdraw`)."""
+        copies = self._copies
+        if not copies:
+            return copies
+        self._copies = []
+        pending = self.pending
+        return [copy for copy in copies if copy[1] in pending]  # (not released since)
+
+    def validate_fills(self, block_ids: Sequence[int]) -> BlockValidation:
         """The steps that filled ``block_ids`` produced finite logits for their
-        requests: kvguard validates the blocks and publishes them under
-        ``publications`` (held in the :attr:`ledger`)."""
+        requests: kvguard validates the blocks and publishes those it holds a
+        publication for (:attr:`pending`)."""
+        pending = self.pending
+        publications = {b: pending.pop(b) for b in block_ids if b in pending} if pending else None
         result = self.core.validate_blocks(block_ids, publications)
-        events = self.ledger.events
+        events = self.held_events
         if events:  # vLLM's KV events are on
             blocks = self.blocks
             for done in (result.published, result.duplicates):
                 for block_id in done:
-                    pending = events.pop(block_id, None)
-                    if pending is not None:
-                        self._emit_block_stored(blocks[block_id], *pending)
+                    held = events.pop(block_id, None)
+                    if held is not None:
+                        self._emit_block_stored(blocks[block_id], *held)
         return result
-
-    def validate_settled(self) -> None:
-        """Validate and publish the blocks the ledger settled (cached while an output
-        was processed, every write into them clean) since the last call."""
-        if self.ledger.settled:
-            self.validate_fills(*self.ledger.take_settled())
 
     def fail_fills(self, block_ids: Iterable[int]) -> tuple[int, ...]:
         """The steps that filled ``block_ids`` failed (or can never be validated):
         quarantine what they wrote."""
         quarantined = self.core.fail_blocks(block_ids)
-        events = self.ledger.events
-        if events:
-            for block_id in quarantined:
-                events.pop(block_id, None)
+        self.withdraw(quarantined)
         return quarantined
+
+    def withdraw(self, block_ids: Iterable[int]) -> bool:
+        """The publications (and vLLM events) held for ``block_ids`` go: their blocks
+        are never published under them. Whether one was held."""
+        pending = self.pending
+        events = self.held_events
+        found = False
+        for block_id in block_ids:
+            if pending.pop(block_id, None) is not None:
+                found = True
+            if events:
+                events.pop(block_id, None)
+        return found
 
     def take_blocks_to_zero(self) -> list[int]:
         return self.core.take_blocks_to_zero()
@@ -321,8 +364,7 @@ class GuardedBlockPool(BlockPool):
         owner = request.request_id
         events = self.enable_kv_cache_events
         filled: list[int] = []
-        ledger = self.ledger
-        publications = ledger.noting
+        publications = self.pending
         notes = self._fill_notes
         if not (
             notes is not None
@@ -358,7 +400,7 @@ class GuardedBlockPool(BlockPool):
                 filled,
             )
         if filled:
-            ledger.note(owner, filled, num_full_blocks * block_size)
+            self._cached.append((owner, filled, num_full_blocks * block_size, False))
             if self.tails:  # a full block's key replaces an entry inside it
                 for block_id in filled:
                     self.tails.pop(block_id, None)
@@ -383,7 +425,7 @@ class GuardedBlockPool(BlockPool):
         ``publications``); publish at once those no step in flight writes."""
         owner = request.request_id
         events = self.enable_kv_cache_events
-        held_events = self.ledger.events
+        held_events = self.held_events
         i = num_cached_blocks
         for block, block_hash in zip(
             blocks[num_cached_blocks:num_full_blocks],
@@ -529,13 +571,9 @@ class GuardedBlockPool(BlockPool):
         held back for a released block dies with its last reference.
 
         ``evict_first`` (vLLM 0.34; SimpleCPU offloading, for blocks a lower tier
-        holds): the freed cached blocks are evicted before the other cached blocks
-        (``BlockSteps.evict_first``; quarantined and empty blocks still go first).
-        SimpleCPU's lazy mode counts on it: it copies the blocks nearest eviction, and
-        a copied block put back at the eviction end is what the next allocation takes,
-        not a block no tier holds yet."""
-        if self.ledger.settled:
-            self.validate_settled()  # a block vouched for is validated before it is freed
+        holds) asks for freed cached blocks to be evicted before other cached blocks.
+        kvguard's free queue keeps its own order (quarantined blocks first, then LRU):
+        the hint changes which valid block is evicted when, never what is safe."""
         released = ordered_blocks if isinstance(ordered_blocks, list) else list(ordered_blocks)
         if self.retentions:
             released = self._skip_retentions(released)
@@ -557,14 +595,17 @@ class GuardedBlockPool(BlockPool):
             self._settle_tails(ids, steps_passed)
         # (kvguard raises, changing nothing, on a double free.)
         self.core.release_blocks(ids, steps_passed=steps_passed)
-        if evict_first:
-            self.core.block_steps.evict_first(ids)
-        events = self.ledger.events
-        if events:
+        pending = self.pending
+        if pending:
+            # What is held for a block dies with its last reference (the block may be
+            # reused: its next owner's fill holds its own).
             blocks = self.blocks
+            events = self.held_events
             for block_id in ids:
-                if not blocks[block_id].ref_cnt:
-                    events.pop(block_id, None)
+                if block_id in pending and not blocks[block_id].ref_cnt:
+                    del pending[block_id]
+                    if events:
+                        events.pop(block_id, None)
         for pool, others in other_pools.items():
             if evict_first:
                 pool.free_blocks(others, evict_first)
@@ -587,9 +628,8 @@ class GuardedBlockPool(BlockPool):
         speculative relocation asserts it, 0.32 to 0.34): one owner, no entry. Answered
         as vLLM's own pool would: a reference kvguard keeps apart from ``ref_cnt`` (a
         connector's pin, a copy-on-write's: :attr:`retentions`) is a second owner, and
-        an entry inside the block (:attr:`tails`) is a hash. (A full block's key noted
-        in the :attr:`ledger` is not looked up: a step in flight may still hold one for
-        a block its request released since.)"""
+        an entry inside the block (:attr:`tails`) is a hash. (A full block's key held in
+        :attr:`pending` is not looked up: vLLM's pool would not have inserted it yet.)"""
         if block.is_null or block.ref_cnt != 1 or block.block_hash is not None:
             return False
         return block.block_id not in self.retentions and block.block_id not in self.tails
@@ -634,7 +674,8 @@ class GuardedBlockPool(BlockPool):
             entry = self.tails.pop(block_id)
             if steps_passed and entry.on_release and block.state is _WRITTEN:
                 block.num_hash_tokens = entry.num_tokens
-                self.validate_fills([block_id], {block_id: entry.publication})
+                self.pending[block_id] = entry.publication
+                self.validate_fills([block_id])
 
     # ------------------------------------------------------------------ cache control
 
@@ -733,7 +774,7 @@ class GuardedBlockPool(BlockPool):
         # vLLM's own key for the entry: the hash chained over the first num_tokens.
         key = hashes[units - 1] + suffix
         block_id = block.block_id
-        held = self.ledger.publication_of(block_id)
+        held = self.pending.get(block_id)
         tail = self.tails.get(block_id)
         if (
             block.block_hash == key
@@ -750,7 +791,8 @@ class GuardedBlockPool(BlockPool):
             return None  # (quarantined by a failed step, or invalidated just above)
         if replace_existing_hashes or num_tokens % block_size == 0:
             block.num_hash_tokens = num_tokens
-            self.ledger.hold(request.request_id, block_id, publication, num_tokens)
+            self.pending[block_id] = publication
+            self._cached.append((request.request_id, [block_id], num_tokens, True))
         else:
             on_release = kv_cache_group_id not in self.state_groups
             self.tails[block_id] = TailEntry(publication, num_tokens, on_release)
@@ -767,7 +809,7 @@ class GuardedBlockPool(BlockPool):
             return False
         if self.tails.pop(block.block_id, None) is not None:
             return True
-        if self.ledger.withdraw(block.block_id):
+        if self.withdraw([block.block_id]):
             return True
         key = block.block_hash
         if key is None:
@@ -780,13 +822,14 @@ class GuardedBlockPool(BlockPool):
     def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
         """vLLM's copy-on-write of a Mamba prompt tail: ``dst_block``, new, receives a
         copy of ``src_block`` before the step being scheduled overwrites it, and takes
-        over its entry. If every step that computed the state reported and was counted
-        clean (the guarded scheduler's rule for blocks cached outside a step,
-        :attr:`StepLedger.settles`), the copy is published now (no step
-        writes it after the copy, which runs before anything reads it: vLLM holds
-        back hits on it within this step). Otherwise the entry goes (under async
-        scheduling the step that wrote the state is still in flight when vLLM copies
-        it, and vLLM returns the copy to the pool before that step reports).
+        over its entry, held (:attr:`pending`) and put in the outbox
+        (:meth:`take_copies`): whoever drives the pool publishes the copy -- before
+        vLLM releases it -- if every step that computed the state reported and was
+        counted clean (no step writes it after the copy, which runs before anything
+        reads it: vLLM holds back hits on it within this step), else withdraws the
+        entry (under async scheduling the step that wrote the state is still in flight
+        when vLLM copies it, and vLLM returns the copy to the pool before that step
+        reports).
 
         vLLM then takes a reference on ``src_block`` by writing ``ref_cnt`` (held until
         the copy ran), which kvguard does not count (:meth:`retain_for_copy`, called
@@ -795,15 +838,11 @@ class GuardedBlockPool(BlockPool):
         if entry is None:
             self._maybe_evict_cached_block(src_block)
             return
-        settles = self.ledger.settles
-        if (
-            src_block.state is _WRITTEN
-            and dst_block.state is _WRITTEN
-            and settles is not None
-            and settles(entry.publication[2], entry.num_tokens)
-        ):
+        if src_block.state is _WRITTEN and dst_block.state is _WRITTEN:
+            dst_id = dst_block.block_id
             dst_block.num_hash_tokens = entry.num_tokens
-            self.validate_fills([dst_block.block_id], {dst_block.block_id: entry.publication})
+            self.pending[dst_id] = entry.publication
+            self._copies.append((entry.publication[2], dst_id, entry.num_tokens))
 
     def unpin_blocks(self, blocks: Iterable[KVCacheBlock], on_reuse: Any) -> None:
         raise GuardModeUnsupported("unpin_blocks (read-until-reuse) in guarded mode")
@@ -834,7 +873,7 @@ class GuardedBlockPool(BlockPool):
         broken += [f"block {b.block_id} is a second null block" for b in blocks[1:] if b.is_null]
         if null.state is not BlockState.ALLOCATED or null.ref_cnt < 1:
             broken.append(f"the null block is {null.state.name}, ref_cnt={null.ref_cnt}")
-        for block_id in self.ledger.held_blocks():
+        for block_id in {*self.pending, *self.held_events}:
             state = blocks[block_id].state
             if state is not _WRITTEN:
                 broken.append(f"block {block_id} held for publication is {state.name}")

@@ -30,7 +30,6 @@ from vllm.v1.core.single_type_kv_cache_manager import (  # noqa: E402
 
 from kvguard.adapters.vllm.config import GuardConfig, GuardConfigError  # noqa: E402
 from kvguard.adapters.vllm.pool.block_pool import GuardedBlockPool, GuardModeUnsupported  # noqa: E402
-from kvguard.adapters.vllm.scheduler.step_ledger import StepLedger  # noqa: E402
 
 GUARDED_MANAGERS = (
     FullAttentionManager,
@@ -149,12 +148,11 @@ def install_guarded_pool(
     manager: Any,
     guard: GuardConfig,
     *,
-    ledger: StepLedger | None = None,
     window_frees: Callable[[list[int]], bool | None] | None = None,
 ) -> GuardedBlockPool:
     """Replace ``manager``'s block pool by a :class:`GuardedBlockPool` (fresh manager
-    only; a guard that is on -- with it off, vLLM's own pool stays). ``ledger`` and
-    ``window_frees``: see :class:`GuardedBlockPool`."""
+    only; a guard that is on -- with it off, vLLM's own pool stays). ``window_frees``:
+    see :class:`GuardedBlockPool`."""
     if not guard.enabled:
         raise GuardConfigError(
             "install_guarded_pool() with the guard off: pass-through keeps vLLM's own pool"
@@ -169,9 +167,7 @@ def install_guarded_pool(
     coordinator = manager.coordinator
     managers = coordinator.single_type_managers
     refuse_unguarded_groups(managers)
-    pool = GuardedBlockPool(
-        **block_pool_kwargs(old), guard=guard, ledger=ledger, window_frees=window_frees
-    )
+    pool = GuardedBlockPool(**block_pool_kwargs(old), guard=guard, window_frees=window_frees)
     coordinator.block_pool = pool
     manager.block_pool = pool
     pool.state_groups = frozenset(
@@ -189,8 +185,8 @@ def install_guarded_pool(
 def build_kv_cache_manager(*, guard: GuardConfig | None = None, **kwargs: Any) -> Any:
     """``KVCacheManager(**kwargs)`` running on kvguard's pool, or on vLLM's own with the
     guard off (``guard`` defaults to the environment's settings, see
-    :mod:`kvguard.adapters.vllm.config`). The blocks vLLM caches are noted in the pool's
-    ledger (``block_pool.ledger.take_noted()``) for the caller to validate
+    :mod:`kvguard.adapters.vllm.config`). The blocks vLLM caches wait in the pool's
+    outbox (``block_pool.take_cached()``) for the caller to validate
     (``block_pool.validate_fills``).
 
     With a sliding-window, chunked-local or R-SWA group, the blocks vLLM frees while a

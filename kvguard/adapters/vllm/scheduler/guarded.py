@@ -8,9 +8,12 @@ Select with ``SchedulerConfig.scheduler_cls`` (``--scheduler-cls``)::
 What changes against vLLM (everything else is vLLM's own code path):
 
 * ``schedule``: blocks vLLM hands out are WRITTEN (kvguard) from then on; full blocks
-  vLLM caches while scheduling the step are only *marked* for publication and noted
-  as filled by this step (one record per step in the pool's
+  vLLM caches while scheduling the step are only *marked* for publication (the pool
+  holds it back and puts the blocks in its outbox) and noted as filled by this step
+  (one record per step in the scheduler's
   :class:`~kvguard.adapters.vllm.scheduler.step_ledger.StepLedger`, no per-request work).
+  One step's data goes one way: recorded when it is scheduled, closed when its output
+  arrives, applied to the pool once.
 * ``update_from_output``: before vLLM processes the output, every request whose row
   in ``num_nans_in_logits`` is non-zero is finished with ``FINISHED_ERROR`` (its
   client sees finish reason ``"error"``, its NaN-derived tokens are never delivered)
@@ -78,12 +81,15 @@ class _StepVerdict(_GuardStartUp):
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         # The per-step cost is one record: blocks are marked WRITTEN when vLLM hands
-        # them out, and the pool notes the blocks vLLM caches while it schedules the
-        # step straight into the step's record.
+        # them out, and the blocks vLLM caches while it schedules the step go from
+        # the pool's outbox into the step's record.
         ledger = self._kvguard_ledger
+        self._kvguard_take_cached()  # (a schedule() that raised left its own: dropped)
         ledger.open()
         scheduler_output = super().schedule(*args, **kwargs)  # type: ignore[misc]
-        record = ledger.seal(scheduler_output, scheduler_output.num_scheduled_tokens)
+        scheduled = scheduler_output.num_scheduled_tokens
+        self._kvguard_take_cached(scheduled)
+        record = ledger.seal(scheduler_output, scheduled)
         if self._kvguard_audit and record.fills:
             # The blocks this step publishes once it validates (a copy: the record's
             # lists change as requests leave, while a worker may still read these).
@@ -161,11 +167,11 @@ class _StepVerdict(_GuardStartUp):
                     # Filled without a step (KV a connector finished loading), or by a
                     # step that came back without a NaN count: the request's next
                     # counted step, computing on it, vouches for it.
-                    ledger.carried.add(req_id, filled, record.publications)
+                    ledger.carried.add(req_id, filled)
                     continue
                 ids += filled
             if ids:
-                pool.validate_fills(ids, record.publications)
+                pool.validate_fills(ids)
         for req_id in suspect:
             # Computed on KV that failed to load: vLLM recomputes or fails the request
             # itself; what this step filled is never trusted.
@@ -189,14 +195,14 @@ class _StepVerdict(_GuardStartUp):
         for settle_stores in self._kvguard_settle_stores:
             settle_stores()
         # The blocks vLLM caches while it processes the output are validated with it
-        # when every write into them reported clean (the ledger's ``settles``: before
-        # any block is freed, and here), else carried to the request's next step.
+        # when every write into them reported clean (the ledger's ``settles``: taken
+        # before a request leaves, and here), else carried to the request's next step.
         try:
             outputs = super().update_from_output(  # type: ignore[misc]
                 scheduler_output, model_runner_output
             )
         finally:
-            pool.validate_settled()
+            self._kvguard_take_cached()
         if ledger.noted.fills:
             self._kvguard_carry_late_fills(ledger.take_noted())
         for request in aborted:
@@ -307,7 +313,7 @@ class _StepVerdict(_GuardStartUp):
                 self._kvguard_unchecked.add(req_id)
                 filled = step.fills.get(req_id)
                 if filled:
-                    ledger.carried.add(req_id, filled, step.publications)
+                    ledger.carried.add(req_id, filled)
         if lost:
             self.kvguard_metrics.steps_lost += len(lost)
             logger.warning(
@@ -331,6 +337,38 @@ class _StepVerdict(_GuardStartUp):
                     if any(b in invalid for group in groups for b in group):
                         out.add(req_id)
         return out
+
+    def _kvguard_take_cached(self, scheduled: Mapping[str, int] | None = None) -> None:
+        """Take what vLLM cached since the last call out of the pool's outbox into the
+        ledger: while a step is being scheduled, that step's fills; otherwise (an output
+        being processed) blocks that settle -- validated now -- or wait for their
+        request's next step. Called where the scheduler controls the moment: around
+        vLLM's scheduling of a step, before a request leaves or a window frees its
+        blocks, and after an output is processed.
+
+        A copy-on-write that took over an entry is published when every step that
+        computed the state it copies was counted clean, else its entry withdrawn.
+        ``scheduled``: after vLLM scheduled a step, its tokens per request, which vLLM
+        counts as computed already (the copies were made before it did)."""
+        pool = self.kvguard_pool
+        cached = pool.take_cached()
+        copies = pool.take_copies()
+        if not (cached or copies):
+            return
+        ledger = self._kvguard_ledger
+        for owner, block_ids, num_tokens, once in cached:
+            if once:
+                ledger.hold(owner, block_ids[0], num_tokens)
+            else:
+                ledger.note(owner, block_ids, num_tokens)
+        for owner, block_id, num_tokens in copies:
+            ahead = scheduled.get(owner, 0) if scheduled else 0
+            if self._kvguard_fill_settled(owner, num_tokens + ahead):
+                pool.validate_fills([block_id])
+            else:
+                pool.withdraw([block_id])
+        if ledger.settled:
+            pool.validate_fills(ledger.take_settled())
 
     def _kvguard_fill_settled(self, request_id: str, num_tokens: int) -> bool:
         """Whether blocks covering the request's first ``num_tokens`` tokens, cached
@@ -363,7 +401,7 @@ class _StepVerdict(_GuardStartUp):
         for req_id, ids in late.fills.items():
             request = self.requests.get(req_id)
             if request is not None and not request.is_finished():
-                carried.add(req_id, ids, late.publications)
+                carried.add(req_id, ids)
 
     # ------------------------------------------------------------------ release
 
@@ -377,6 +415,7 @@ class _StepVerdict(_GuardStartUp):
         release frees them plainly. Otherwise they stay WRITTEN and the release
         quarantines them (zeroed before reuse). Every in-flight step forgets it.
         """
+        self._kvguard_take_cached()  # what vLLM cached for it just before, first
         req_id = request.request_id
         ledger = self._kvguard_ledger
         unchecked = self._kvguard_unchecked

@@ -142,7 +142,7 @@ def roll_back_request(scheduler: Any, request: Any, boundary: int) -> None:
         # An entry vLLM registered inside a rolled-back block (a prompt's tail) may
         # cover wiped tokens: it goes; vLLM registers it again when they are recomputed.
         pool.tails.pop(block_id, None)
-    scheduler._kvguard_ledger.roll_back(req_id)
+    pool.withdraw(scheduler._kvguard_ledger.roll_back(req_id))
     for manager in managers:
         # vLLM cached the full blocks past the boundary when it scheduled the lost
         # steps: it caches them again when the steps recomputing them are scheduled.

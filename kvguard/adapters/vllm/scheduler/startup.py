@@ -11,6 +11,7 @@ in :mod:`.guarded`): it sets up the state they share.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvguard.adapters.vllm._compat import require_supported_vllm, series_of
@@ -134,6 +135,7 @@ class _GuardStartUp:
     if TYPE_CHECKING:
         # What one concern asks of another (each defined in its own file).
         def _kvguard_fill_settled(self, request_id: str, num_tokens: int) -> bool: ...
+        def _kvguard_take_cached(self, scheduled: Mapping[str, int] | None = None) -> None: ...
         def _kvguard_reported_tokens(self, request_id: str) -> int: ...
         def _kvguard_finish_failing(self, failing: dict[str, int]) -> list[Any]: ...
         def _kvguard_name_window_frees(self) -> None: ...
@@ -210,7 +212,8 @@ class _GuardStartUp:
         self._kvguard_on_fault = False
         # The KV audit: the workers scan the blocks each step fills.
         self._kvguard_audit = guard.audit
-        # Every publication held back, per step in flight (and what else waits).
+        # The blocks vLLM cached, per step in flight (and what else waits): the
+        # scheduler's alone, fed from the pool's outbox (_kvguard_take_cached).
         self._kvguard_ledger = StepLedger(settles=self._kvguard_fill_settled)
         managers = self.kv_cache_manager.coordinator.single_type_managers
         windowed = any(type(m) is not FullAttentionManager for m in managers)
@@ -218,7 +221,6 @@ class _GuardStartUp:
         self.kvguard_pool = install_guarded_pool(
             self.kv_cache_manager,
             guard,
-            ledger=self._kvguard_ledger,
             window_frees=self._kvguard_window_frees if windowed else None,
         )
         self._kvguard_rebind_connectors(vllm_pool)

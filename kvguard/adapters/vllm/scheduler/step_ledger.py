@@ -1,9 +1,13 @@
-"""The one record of the publications the guard holds back inside vLLM, and what each waits for.
+"""The guarded scheduler's record of the blocks vLLM cached, and what each waits for.
 
 vLLM caches a full block (``cache_full_blocks``) before the KV in it is known to be
-good; the guarded pool notes the block and the publication it is due -- ``(hash,
-parent, owner)`` -- here instead of publishing it. Every such publication is in exactly
-one place of this ledger until it is published, quarantined or dropped:
+good; the guarded pool holds back the publication it is due -- ``(hash, parent,
+owner)``, the pool's own state -- and puts the block in its outbox
+(:meth:`~kvguard.adapters.vllm.pool.block_pool.GuardedBlockPool.take_cached`). The
+guarded scheduler takes the outbox at moments it controls (after vLLM scheduled a step,
+before it releases a request's blocks, after an output is processed) and notes each
+block here, the scheduler's alone. Every such block is in exactly one place of this
+ledger until it is validated, quarantined or dropped:
 
 * **the step being scheduled** (:attr:`StepLedger.scheduling`): vLLM caches the blocks a
   step fills while it schedules that step; they are that step's fills;
@@ -21,14 +25,10 @@ one place of this ledger until it is published, quarantined or dropped:
   the output is processed;
 * **noted** (:attr:`StepLedger.noted`): cached while an output is processed but not
   settled (the request's last step had no NaN count, or it holds loaded KV no step
-  vouched for) -- or, with no scheduler, cached at all: whoever drives the pool takes
-  them (:meth:`StepLedger.take_noted`);
+  vouched for): the scheduler carries them (:meth:`StepLedger.take_noted`);
 * **carried** (:attr:`StepLedger.carried`): filled without a counted step of their
   request (KV a connector loaded, a step that came back without a NaN count, late
   fills): the request's next scheduled step takes them over.
-
-With vLLM's KV events on, :attr:`StepLedger.events` keeps, per held block, what vLLM's
-``BlockStored`` event is built from once the block is published.
 
 A decode step writing one more token into a partial block needs no record at all: that
 block is validated by the step that fills it, or as its request's blocks are released
@@ -40,9 +40,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
-from kvguard.block import PendingPublication
 from kvguard.errors import ConsistencyError
 
 
@@ -54,24 +52,18 @@ class StepRecord:
     """Request id -> tokens scheduled in this step (vLLM's dict, read-only here)."""
     fills: dict[str, list[int]] = field(default_factory=dict)
     """Request id -> block ids this step fills (validated when its output is clean)."""
-    publications: dict[int, PendingPublication] = field(default_factory=dict)
-    """Block id -> the publication held back for it until this step's output."""
     dropped: set[str] = field(default_factory=set)
     """Requests freed or preempted while this step was in flight."""
 
 
 @dataclass(slots=True, eq=False)
 class HeldFills:
-    """Blocks filled per request, and the publications held back for them."""
+    """Blocks filled per request, waiting for a step to vouch for them."""
 
     fills: dict[str, list[int]] = field(default_factory=dict)
-    publications: dict[int, PendingPublication] = field(default_factory=dict)
 
-    def add(
-        self, request_id: str, block_ids: list[int], publications: Mapping[int, PendingPublication]
-    ) -> None:
+    def add(self, request_id: str, block_ids: list[int]) -> None:
         self.fills.setdefault(request_id, []).extend(block_ids)
-        self.publications.update((b, publications[b]) for b in block_ids if b in publications)
 
     def drop(self, request_id: str, block_ids: set[int] | None = None) -> None:
         """Forget the request's blocks (those in ``block_ids``; all without it)."""
@@ -79,35 +71,17 @@ class HeldFills:
         if held is None:
             return
         kept = [] if block_ids is None else [b for b in held if b not in block_ids]
-        for block_id in held:
-            if block_ids is None or block_id in block_ids:
-                self.publications.pop(block_id, None)
         if kept:
             self.fills[request_id] = kept
         else:
             del self.fills[request_id]
 
 
-BlockStoredArgs = tuple[Any, int, int, int]
-"""What vLLM's ``BlockStored`` event for a held block is built from: (vLLM's request,
-block index, block size, KV cache group)."""
-
-
 class StepLedger:
-    """Every publication held back (see the module docstring), written by the guarded
-    pool (:meth:`note`, :attr:`events`) and driven by the guarded scheduler."""
+    """Every block vLLM cached that waits for a verdict (see the module docstring),
+    written and read by the guarded scheduler alone."""
 
-    __slots__ = (
-        "_steps",
-        "carried",
-        "events",
-        "noted",
-        "noting",
-        "scheduling",
-        "settled",
-        "settled_publications",
-        "settles",
-    )
+    __slots__ = ("_steps", "carried", "noted", "scheduling", "settled", "settles")
 
     def __init__(self, settles: Callable[[str, int], bool] | None = None) -> None:
         """``settles``: whether blocks covering a request's first tokens, cached
@@ -119,13 +93,8 @@ class StepLedger:
         """The step vLLM is scheduling now (between :meth:`open` and :meth:`seal`)."""
         self.settles = settles
         self.settled: list[int] = []
-        self.settled_publications: dict[int, PendingPublication] = {}
         self.noted = HeldFills()
-        self.noting = self.noted.publications
-        """Where the pool puts the publications of the blocks it notes now: the step
-        being scheduled's, else the noted ones'."""
         self.carried = HeldFills()
-        self.events: dict[int, BlockStoredArgs] = {}
 
     def __len__(self) -> int:
         return len(self._steps)
@@ -134,44 +103,34 @@ class StepLedger:
 
     def note(self, request_id: str, block_ids: list[int], num_tokens: int) -> None:
         """vLLM cached ``block_ids`` of the request, covering its first ``num_tokens``
-        tokens; their publications are in :attr:`noting` already."""
+        tokens (the pool holds their publications)."""
         step = self.scheduling
         if step is not None:
             step.fills.setdefault(request_id, []).extend(block_ids)
             return
         settles = self.settles
         if settles is not None and settles(request_id, num_tokens):
-            noted = self.noted.publications
-            settled = self.settled_publications
             self.settled += block_ids
-            for block_id in block_ids:
-                settled[block_id] = noted.pop(block_id)
         else:
             self.noted.fills.setdefault(request_id, []).extend(block_ids)
 
-    def hold(
-        self, request_id: str, block_id: int, publication: PendingPublication, num_tokens: int
-    ) -> None:
-        """Hold ``publication`` for ``block_id``, which the request fills now (noted as
-        :meth:`note` does, once: a key withdrawn and replaced within the step leaves the
-        block noted already)."""
-        self.noting[block_id] = publication
+    def hold(self, request_id: str, block_id: int, num_tokens: int) -> None:
+        """:meth:`note` for one block vLLM registered an entry for, once: a key
+        withdrawn and replaced within the step leaves the block noted already."""
         step = self.scheduling
         fills = (step.fills if step is not None else self.noted.fills).get(request_id, ())
         if block_id not in fills:
             self.note(request_id, [block_id], num_tokens)
 
-    def take_settled(self) -> tuple[list[int], dict[int, PendingPublication]]:
-        """The settled blocks, in the order they were noted, and their publications."""
-        taken = self.settled, self.settled_publications
-        self.settled, self.settled_publications = [], {}
+    def take_settled(self) -> list[int]:
+        """The settled blocks, in the order they were noted."""
+        taken = self.settled
+        self.settled = []
         return taken
 
     def take_noted(self) -> HeldFills:
         noted = self.noted
         self.noted = HeldFills()
-        if self.scheduling is None:
-            self.noting = self.noted.publications
         return noted
 
     # ------------------------------------------------------------------ steps
@@ -180,10 +139,9 @@ class StepLedger:
         """vLLM starts scheduling a step: the blocks it caches now are this step's.
         (Blocks noted outside a step and not taken since -- none expected -- are
         dropped.)"""
-        if self.noted.fills or self.noted.publications:
+        if self.noted.fills:
             self.noted = HeldFills()
-        self.scheduling = step = StepRecord(None, {})
-        self.noting = step.publications
+        self.scheduling = StepRecord(None, {})
 
     def seal(self, token: object, scheduled: Mapping[str, int]) -> StepRecord:
         """The step is scheduled (``token``: its SchedulerOutput): it goes in flight,
@@ -195,16 +153,12 @@ class StepLedger:
                 "never opened"
             )
         self.scheduling = None
-        self.noting = self.noted.publications
         record.token = token
         record.scheduled = scheduled
         carried = self.carried
         if carried.fills:
-            held = carried.publications
             for req_id in [r for r in carried.fills if r in scheduled]:
-                ids = carried.fills.pop(req_id)
-                record.fills.setdefault(req_id, []).extend(ids)
-                record.publications.update((b, held.pop(b)) for b in ids if b in held)
+                record.fills.setdefault(req_id, []).extend(carried.fills.pop(req_id))
         self._steps.append(record)
         return record
 
@@ -262,15 +216,12 @@ class StepLedger:
         for record in self._steps:
             yield from record.fills.get(request_id, ())
 
-    def take_fills(
-        self, request_id: str, block_ids: set[int]
-    ) -> tuple[list[int], dict[int, PendingPublication]]:
-        """Take ``block_ids`` out of the request's in-flight fills: those found, and
-        the publications their steps held for them. (A sliding window or local chunk
-        can free a block whose every write reported, while the step that cached it --
-        the next one, under async scheduling -- is still in flight.)"""
+    def take_fills(self, request_id: str, block_ids: set[int]) -> list[int]:
+        """Take ``block_ids`` out of the request's in-flight fills: those found. (A
+        sliding window or local chunk can free a block whose every write reported,
+        while the step that cached it -- the next one, under async scheduling -- is
+        still in flight.)"""
         taken: list[int] = []
-        publications: dict[int, PendingPublication] = {}
         for record in self._steps:
             filled = record.fills.get(request_id)
             if not filled:
@@ -281,14 +232,11 @@ class StepLedger:
                     kept.append(block_id)
                     continue
                 taken.append(block_id)
-                held = record.publications.pop(block_id, None)
-                if held is not None:
-                    publications[block_id] = held
             if not kept:
                 del record.fills[request_id]
             elif len(kept) != len(filled):
                 record.fills[request_id] = kept
-        return taken, publications
+        return taken
 
     def later_fills(self, request_id: str) -> Iterator[int]:
         """Blocks the request's still-in-flight steps fill, removing them (its abort)."""
@@ -308,80 +256,34 @@ class StepLedger:
             # a request it already scheduled back out): its blocks are released now and
             # may be reused within the step, so what it filled is never its to publish
             # -- not by this step, nor carried to a later one.
-            for block_id in step.fills.pop(request_id):
-                step.publications.pop(block_id, None)
+            del step.fills[request_id]
             step.dropped.add(request_id)
         for record in self._steps:
             if request_id in record.scheduled or request_id in record.fills:
                 record.fills.pop(request_id, None)
                 record.dropped.add(request_id)
 
-    def roll_back(self, request_id: str) -> None:
+    def roll_back(self, request_id: str) -> list[int]:
         """The request's steps in flight will never report back for it, but it stays
-        (``recover``): each forgets it as for a freed request, and drops the
-        publications and held events of the blocks it filled (they are rolled back;
+        (``recover``): each forgets it as for a freed request. Returns the blocks they
+        filled, whose held publications the caller withdraws (they are rolled back;
         the request's next steps fill and note them again). What it carried stays its
         own to vouch for."""
+        dropped: list[int] = []
         for record in self._steps:
             if request_id in record.scheduled or request_id in record.fills:
-                for block_id in record.fills.pop(request_id, ()):
-                    record.publications.pop(block_id, None)
-                    self.events.pop(block_id, None)
+                dropped += record.fills.pop(request_id, ())
                 record.dropped.add(request_id)
-
-    # ------------------------------------------------------------------ per block
-
-    def _publication_maps(self) -> Iterator[dict[int, PendingPublication]]:
-        if self.scheduling is not None:
-            yield self.scheduling.publications
-        for record in self._steps:
-            yield record.publications
-        yield self.noted.publications
-        yield self.settled_publications
-        yield self.carried.publications
-
-    def publication_of(self, block_id: int) -> PendingPublication | None:
-        """The publication held for ``block_id``, wherever it waits (None: none)."""
-        for publications in self._publication_maps():
-            held = publications.get(block_id)
-            if held is not None:
-                return held
-        return None
-
-    def withdraw(self, block_id: int) -> bool:
-        """vLLM took the entry of ``block_id`` back before it was published (the
-        block's content is being replaced): the publication held for it goes, wherever
-        it waits. The block stays the fill of its step -- validated or quarantined with
-        it, only never published. Whether one was held."""
-        found = False
-        for publications in self._publication_maps():
-            if publications.pop(block_id, None) is not None:
-                found = True
-        self.events.pop(block_id, None)
-        return found
+        return dropped
 
     # ------------------------------------------------------------------ checks
 
-    def held_blocks(self) -> Iterator[int]:
-        """The blocks whose held publication or event is for a block still WRITTEN
-        (checks, tests): noted, settled, the step being scheduled, and every block
-        waiting for its vLLM event. (A step in flight may still hold the publication of
-        a block its request released since: it is never validated -- the request was
-        dropped -- and goes with the step.)"""
-        if self.scheduling is not None:
-            yield from self.scheduling.publications
-        yield from self.settled_publications
-        yield from self.noted.publications
-        yield from self.events
-
     def is_empty(self) -> bool:
-        """Nothing held: no step in flight, nothing noted, settled, carried or waiting
-        for its event."""
+        """Nothing recorded: no step in flight, nothing noted, settled or carried."""
         return not (
             self._steps
             or self.scheduling is not None
             or self.settled
             or self.noted.fills
             or self.carried.fills
-            or self.events
         )

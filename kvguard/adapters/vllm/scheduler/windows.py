@@ -38,7 +38,10 @@ class _WindowFrees(_GuardStartUp):
     def _kvguard_window_frees(self, block_ids: list[int]) -> bool | None:
         """The pool's question on every release: while vLLM frees a request's window,
         whether every step that wrote these blocks passed; otherwise None (the release
-        goes as its caller said)."""
+        goes as its caller said). What vLLM cached is taken from the pool's outbox first,
+        so that a block vouched for -- a fill that settled, a copy of a clean state --
+        is validated before it is released, and the window's fills are in the ledger."""
+        self._kvguard_take_cached()
         window = self._kvguard_window
         return None if window is None else self._kvguard_window_free(window, block_ids)
 
@@ -83,9 +86,9 @@ class _WindowFrees(_GuardStartUp):
                     logger.warning("kvguard: %s; they are quarantined", message)
                 self.kvguard_metrics.window_contract_breaks += 1
                 clean = False
-            taken, publications = ledger.take_fills(request_id, in_flight)
+            taken = ledger.take_fills(request_id, in_flight)
             if clean:
-                pool.validate_fills(taken, publications)
+                pool.validate_fills(taken)
         if carried:
             # Loaded blocks the window drops (quarantined: not clean) are no longer the
             # request's to vouch for.
