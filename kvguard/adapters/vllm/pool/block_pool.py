@@ -571,9 +571,11 @@ class GuardedBlockPool(BlockPool):
         held back for a released block dies with its last reference.
 
         ``evict_first`` (vLLM 0.34; SimpleCPU offloading, for blocks a lower tier
-        holds) asks for freed cached blocks to be evicted before other cached blocks.
-        kvguard's free queue keeps its own order (quarantined blocks first, then LRU):
-        the hint changes which valid block is evicted when, never what is safe."""
+        holds): the freed cached blocks are evicted before the other cached blocks
+        (``BlockSteps.evict_first``; quarantined and empty blocks still go first).
+        SimpleCPU's lazy mode counts on it: it copies the blocks nearest eviction, and
+        a copied block put back at the eviction end is what the next allocation takes,
+        not a block no tier holds yet."""
         released = ordered_blocks if isinstance(ordered_blocks, list) else list(ordered_blocks)
         if self.retentions:
             released = self._skip_retentions(released)
@@ -595,6 +597,8 @@ class GuardedBlockPool(BlockPool):
             self._settle_tails(ids, steps_passed)
         # (kvguard raises, changing nothing, on a double free.)
         self.core.release_blocks(ids, steps_passed=steps_passed)
+        if evict_first:
+            self.core.block_steps.evict_first(ids)
         pending = self.pending
         if pending:
             # What is held for a block dies with its last reference (the block may be
