@@ -9,7 +9,7 @@ block ids, engine id and side channel) that a decode instance (``kv_consumer``),
 the prompt with them, uses to read the blocks over NIXL and decode on. Stock vLLM's
 prefill instance hands over whatever its forward wrote, NaN included. Under kvguard
 only a request that ended after clean, counted steps is handed to the connector
-(``kvguard.adapters.vllm.exits.coverage``): a request whose step had NaN logits ends
+(``kvguard.adapters.vllm.exits.gate``): a request whose step had NaN logits ends
 with an error, one whose last step came back without a NaN count ends normally, and
 neither gets transfer parameters -- the decode instance computes such a prompt itself.
 

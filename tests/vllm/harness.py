@@ -476,7 +476,7 @@ def transfer_config(
         "kv_connector": connector,
         "kv_role": "kv_both",
         "kv_connector_module_path": (
-            "kvguard.adapters.vllm.exits.offloading" if connector.startswith("Guarded") else None
+            "kvguard.adapters.vllm" if connector.startswith("Guarded") else None
         ),
         "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes},
     }

@@ -36,6 +36,7 @@ from kvguard.adapters.vllm.config import GuardConfigError  # noqa: E402
 from kvguard.adapters.vllm.exits.coverage import (  # noqa: E402
     COVERAGE,
     DECLARED,
+    GATED,
     Exit,
     coverage_of,
     refuse_ungated,
@@ -61,7 +62,7 @@ def test_every_connector_vllm_ships_is_covered() -> None:
     unknown: this fails first, naming it, so the table is extended on purpose."""
     shipped = _shipped()
     assert {"ExampleConnector", "NixlConnector", "LMCacheConnectorV1"} <= shipped
-    gated_by_subclass = {name for _, name in plugin.GUARDED_CONNECTORS}
+    gated_by_subclass = {name for _, name in GATED}
     unknown = sorted(shipped - set(COVERAGE) - gated_by_subclass - {"MultiConnector"})
     assert not unknown, f"connectors vLLM ships that kvguard's COVERAGE does not name: {unknown}"
 
@@ -159,9 +160,9 @@ def test_the_setting_that_makes_a_connector_gateable(
 @pytest.fixture
 def log(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """``caplog`` gets what the guarded scheduler and the connector log."""
-    from kvguard.adapters.vllm.exits import coverage as connector_gate
+    from kvguard.adapters.vllm.exits import gate
 
-    with records_of([scheduler_module.logger, connector_gate.logger], caplog, monkeypatch):
+    with records_of([scheduler_module.logger, gate.logger], caplog, monkeypatch):
         yield
 
 

@@ -48,7 +48,7 @@ def _config(storage: Path, *, guarded: bool = True, multi: bool = False) -> KVTr
         "kv_connector_extra_config": {"shared_storage_path": str(storage)},
     }
     if guarded:
-        child["kv_connector_module_path"] = "kvguard.adapters.vllm.exits.example_connector"
+        child["kv_connector_module_path"] = "kvguard.adapters.vllm"
     if multi:
         return KVTransferConfig(
             kv_connector="MultiConnector",

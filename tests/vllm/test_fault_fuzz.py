@@ -478,7 +478,8 @@ class FaultTrace:
         recorded = 0
         for connector in s._kvguard_connectors():
             cs: Any = getattr(connector, "connector_scheduler", None)
-            stored = getattr(cs, "_kvguard_stored", {})
+            gate = getattr(cs, "kvguard_gate", None)
+            stored = gate.recorded() if gate is not None else {}
             probe = ReqContext(req_id="probe")
             for key, hashes in stored.items():
                 assert cs.manager.lookup(key, probe) is LookupResult.HIT, key
@@ -1429,15 +1430,16 @@ class SharedStorage:
             "loads": c._requests_need_load,
         }
         assert not any(left.values()), {k: v for k, v in left.items() if v}
-        for folder in c._kvguard_folders:
+        recorded = c.kvguard_gate.recorded()
+        for folder in recorded:
             assert os.path.isdir(folder) and STAGED not in folder, f"{folder} recorded, gone"
-        for folders in c._kvguard_holders.values():
-            assert folders <= set(c._kvguard_folders)
+        held = c.kvguard_gate.held_keys()
+        assert set(held) == {h for hashes in recorded.values() for h in hashes}
         core = self.trace.s.kvguard_pool.core
         for block_hash, tiers in core.snapshot().tier_copies:
             if STORAGE_TIER in tiers:
-                assert block_hash in c._kvguard_holders, f"a tier copy of no folder: {block_hash!r}"
-        return len(c._kvguard_holders)
+                assert block_hash in held, f"a tier copy of no folder: {block_hash!r}"
+        return len(held)
 
 
 class NixlHandoff:
@@ -1552,7 +1554,7 @@ def _storage_config(path: Path, *, multi: bool) -> KVTransferConfig:
     child = {
         "kv_connector": "GuardedExampleConnector",
         "kv_role": "kv_both",
-        "kv_connector_module_path": "kvguard.adapters.vllm.exits.example_connector",
+        "kv_connector_module_path": "kvguard.adapters.vllm",
         "kv_connector_extra_config": {"shared_storage_path": str(path)},
     }
     if multi:

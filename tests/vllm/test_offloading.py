@@ -314,7 +314,7 @@ def test_unvalidated_block_in_a_store_job_cancels_it(
     cs = s.connector.connector_scheduler
     try:
         with monkeypatch.context() as m:
-            m.setattr(cs, "_kvguard_validated_tokens", lambda pool, groups, req_status: 10**9)
+            m.setattr(cs, "_kvguard_validated_tokens", lambda req_id, req_status: 10**9)
             s.add_request(make_request("a", PROMPT[: 2 * BLOCK]))
             so = s.schedule()
     finally:

@@ -134,7 +134,7 @@ def test_invalidating_an_offloaded_prefix_purges_its_cpu_chunks(multi: bool) -> 
     assert set(event.keys) == {make_offload_key(a.block_hashes[i], 0) for i in (2, 3)}
     assert [core.tier_copies(h) for h in sorted(tainted)] == [(), ()]
     assert core.tier_copies(next(iter(kvguard_keys(a, range(1))))) == (OFFLOAD,)
-    assert len(side._kvguard_stored) == 2
+    assert len(side.kvguard_gate.recorded()) == 2
     stats = s.kvguard_stats()
     assert stats["tier_copies_purged"] == stats["offload_chunks_purged"] == 2
 

@@ -67,6 +67,7 @@ from kvguard.adapters.vllm.config import (
     requested,
     requested_by,
 )
+from kvguard.adapters.vllm.exits.coverage import GATED, MODULE_PATH
 from kvguard.adapters.vllm.workers import audit as worker_audit
 from kvguard.adapters.vllm.workers import nans as worker_nans
 from kvguard.adapters.vllm.workers import slots as worker_slots
@@ -291,32 +292,14 @@ def _patch_scheduler_cls() -> None:
     SchedulerConfig.get_scheduler_cls = get_scheduler_cls
 
 
-GUARDED_CONNECTOR = "GuardedOffloadingConnector"
-GUARDED_CONNECTORS: dict[tuple[str, str], tuple[str, str]] = {
-    # (vLLM's connector class) -> (kvguard's gated subclass of it)
-    (
-        "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
-        "OffloadingConnector",
-    ): ("kvguard.adapters.vllm.exits.offloading", GUARDED_CONNECTOR),
-    (
-        "vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector",
-        "SimpleCPUOffloadConnector",
-    ): ("kvguard.adapters.vllm.exits.simple_cpu", "GuardedSimpleCPUOffloadConnector"),
-    (
-        "vllm.distributed.kv_transfer.kv_connector.v1.example_connector",
-        "ExampleConnector",
-    ): ("kvguard.adapters.vllm.exits.example_connector", "GuardedExampleConnector"),
-}
-"""vLLM's connectors whose copies kvguard gates, and the class the plugin gives for each
-(module, class name)."""
-
-
 def _patch_connector_cls() -> None:
+    """vLLM's connector factory knows kvguard's gated classes by name, and gives each
+    in place of vLLM's class it gates (the one table: :data:`.exits.coverage.GATED`)."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    for module, name in GUARDED_CONNECTORS.values():
+    for name in GATED.values():
         if name not in KVConnectorFactory._registry:
-            KVConnectorFactory.register_connector(name, module, name)
+            KVConnectorFactory.register_connector(name, MODULE_PATH, name)
     current = KVConnectorFactory.get_connector_class
     if getattr(current, _MARK, False):
         return
@@ -324,13 +307,12 @@ def _patch_connector_cls() -> None:
 
     def get_connector_class(cls: Any, kv_transfer_config: Any) -> Any:
         connector_cls = stock(cls, kv_transfer_config)
-        guarded = GUARDED_CONNECTORS.get((connector_cls.__module__, connector_cls.__name__))
+        guarded = GATED.get((connector_cls.__module__, connector_cls.__name__))
         if guarded is not None:
             # Its stores would copy KV of steps not validated yet.
             import importlib
 
-            module, name = guarded
-            return getattr(importlib.import_module(module), name)
+            return getattr(importlib.import_module(MODULE_PATH), guarded)
         return connector_cls
 
     setattr(get_connector_class, _MARK, True)

@@ -5,13 +5,13 @@ that moment decides how kvguard can gate it:
 
 * **copies the scheduler side picks** (vLLM's CPU offloading, SimpleCPU offloading,
   the example connector's shared storage): kvguard's subclass of the connector copies,
-  or makes visible, only blocks whose steps validated (``plugin.GUARDED_CONNECTORS``;
-  the plugin substitutes it for vLLM's name). vLLM's own class under a guarded
-  scheduler is refused, naming the subclass.
+  or makes visible, only blocks whose steps validated, through the exit gate
+  (:mod:`.gate`); the plugin substitutes it for vLLM's class (:data:`GATED`). vLLM's
+  own class under a guarded scheduler is refused, naming the subclass.
 * **KV of a finished request**, shipped from ``request_finished`` (prefill/decode:
   NIXL, Mooncake, MoRIIO in read mode): the request-finished gate
-  (:func:`withhold_from_connector`) shows the connector a request that did not end
-  after clean, counted steps as aborted, so it sends and keeps nothing of it, and
+  (:func:`.gate.withhold_from_connector`) shows the connector a request that did not
+  end after clean, counted steps as aborted, so it sends and keeps nothing of it, and
   hands the client no transfer parameters.
 * **KV saved by the workers during the forward**, before the step's NaN count exists
   (LMCache, Mooncake's and UMBP's stores, HF3FS, FlexKV, ...): nothing on the
@@ -33,12 +33,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.logger import init_logger
-from vllm.v1.request import RequestStatus
-
 from kvguard.adapters.vllm.config import GuardConfigError
-
-logger = init_logger(f"vllm.{__name__}")
 
 
 class Exit(enum.Enum):
@@ -67,6 +62,8 @@ class Coverage:
     setting: tuple[str, str] | None = None
     """A ``kv_connector_extra_config`` (key, value) under which its KV leaves only from
     ``request_finished``."""
+    replaces: tuple[str, str] | None = None
+    """For kvguard's gated class: vLLM's class it stands for (module, name)."""
 
 
 _NO_DELETE = (
@@ -90,11 +87,20 @@ def _refused(why: str, *, consumer: bool = False) -> Coverage:
     return Coverage(Exit.REFUSED, f"{why}. {_INSTEAD}")
 
 
+_V1 = "vllm.distributed.kv_transfer.kv_connector.v1"
+
+
+def _gated(module: str, name: str) -> Coverage:
+    return Coverage(Exit.GATED, replaces=(f"{_V1}.{module}", name))
+
+
 COVERAGE: dict[str, Coverage] = {
-    # Gated by kvguard's subclasses (plugin.GUARDED_CONNECTORS).
-    "GuardedOffloadingConnector": Coverage(Exit.GATED),
-    "GuardedSimpleCPUOffloadConnector": Coverage(Exit.GATED),
-    "GuardedExampleConnector": Coverage(Exit.GATED),
+    # kvguard's subclasses, gated through the exit gate, each in place of vLLM's class.
+    "GuardedOffloadingConnector": _gated("offloading_connector", "OffloadingConnector"),
+    "GuardedSimpleCPUOffloadConnector": _gated(
+        "simple_cpu_offload_connector", "SimpleCPUOffloadConnector"
+    ),
+    "GuardedExampleConnector": _gated("example_connector", "ExampleConnector"),
     # Prefill/decode: the decode instance reads (or is sent) a finished request's
     # blocks; each sends only for a request that ended normally.
     "NixlConnector": Coverage(Exit.AT_FINISH),
@@ -132,6 +138,16 @@ COVERAGE: dict[str, Coverage] = {
     ),
 }
 """Every connector vLLM ships (0.32 to 0.34), and kvguard's gated classes, by name."""
+
+MODULE_PATH = "kvguard.adapters.vllm"
+"""The ``kv_connector_module_path`` of kvguard's gated classes: the package exports each
+(lazily), whichever file defines it."""
+
+GATED: dict[tuple[str, str], str] = {
+    coverage.replaces: name for name, coverage in COVERAGE.items() if coverage.replaces
+}
+"""vLLM's connector classes (module, name) whose copies kvguard gates -> the name of the
+gated class the plugin gives in their place (in :data:`MODULE_PATH`)."""
 
 DECLARED = "kvguard_exit"
 """The ``kv_connector_extra_config`` key by which a connector kvguard does not know
@@ -184,10 +200,8 @@ def coverage_of(
     """How kvguard gates the connector configured as ``name`` (``module_path``: an
     out-of-tree module, or None for vLLM's registry) with its extra config and
     ``kv_role``."""
-    from kvguard.adapters.vllm.plugin import GUARDED_CONNECTORS
-
     vllm_name = module_path is None or module_path.startswith("vllm.")
-    if vllm_name and name in {cls for _, cls in GUARDED_CONNECTORS}:
+    if vllm_name and name in {cls for _, cls in GATED}:
         # vLLM's class with a gated subclass: the plugin's factory substitutes it.
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
@@ -195,11 +209,11 @@ def coverage_of(
         cls = KVConnectorFactory.get_connector_class(config)
         if cls.__module__.startswith("kvguard."):
             return Coverage(Exit.GATED)
-        module, guarded = GUARDED_CONNECTORS[(cls.__module__, cls.__name__)]
+        guarded = GATED[(cls.__module__, cls.__name__)]
         return Coverage(
             Exit.REFUSED,
             "vLLM's own class copies KV of steps that are not validated yet. Use "
-            f"kv_connector='{guarded}' (kv_connector_module_path='{module}'), or start "
+            f"kv_connector='{guarded}' (kv_connector_module_path='{MODULE_PATH}'), or start "
             "vLLM with KVGUARD_GUARD=1, which selects it for you",
         )
     if vllm_name or str(module_path).startswith("kvguard."):
@@ -263,29 +277,3 @@ class _Named:
 
     kv_connector: str
     kv_connector_module_path: str | None
-
-
-NORMAL_ENDS = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED})
-
-
-def withhold_from_connector(call: Any, request: Any) -> tuple[bool, dict[str, Any] | None]:
-    """Run vLLM's ``_connector_finished`` (``call``) for a request that did not end
-    after clean, counted steps: the connector is shown the request as aborted -- every
-    connector vLLM ships then sends and keeps nothing of it (a pending receive is
-    cleaned up as for a client abort) -- and no transfer parameters reach the client.
-    Returns whether vLLM must keep the blocks for the connector (it may still read
-    them for a transfer in flight), and None."""
-    status = request.status
-    request.status = RequestStatus.FINISHED_ABORTED
-    try:
-        delay_free, _ = call(request)
-    finally:
-        request.status = status
-    if status in NORMAL_ENDS:
-        logger.warning(
-            "kvguard: request %s finished, but its last step was not counted clean (no "
-            "NaN count for it, or a step still in flight): its KV is not handed to the "
-            "KV connector (no send, no save); a decode instance computes it afresh",
-            request.request_id,
-        )
-    return bool(delay_free), None

@@ -52,11 +52,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (  # 
 from vllm.logger import init_logger  # noqa: E402
 
 from kvguard.adapters.vllm.config import GuardConfigError  # noqa: E402
+from kvguard.adapters.vllm.exits.gate import ExitGate, PendingExit, group_key  # noqa: E402
 from kvguard.adapters.vllm.metrics import STORAGE_COUNTERS  # noqa: E402
-from kvguard.adapters.vllm.pool.block_pool import GuardedBlockPool, group_suffix  # noqa: E402
-from kvguard.errors import NotStorableError  # noqa: E402
+from kvguard.adapters.vllm.pool.block_pool import GuardedBlockPool  # noqa: E402
 from kvguard.hashing import BlockHash  # noqa: E402
-from kvguard.states import STORABLE_STATES, BlockState  # noqa: E402
 
 logger = init_logger(f"vllm.{__name__}")
 """Under vLLM's logger, as the scheduler's: vLLM's handler, format and level apply."""
@@ -71,16 +70,12 @@ _STAGING = ".kvguard-"
 @dataclass(slots=True)
 class _Pending:
     """A folder written by a step not validated yet: a store (``staging`` set) or a
-    load, and the blocks and kvguard hashes that must validate for it."""
+    load, and the blocks that must validate for it (under the request's keys)."""
 
     request_id: str
     folder: str
     staging: str | None
-    block_ids: tuple[int, ...]
-    hashes: tuple[BlockHash, ...]
-    generations: tuple[int, ...]
-    """Each block's generation in kvguard's pool when the entry was made: a block
-    released (and perhaps handed to another request) since has another."""
+    exit: PendingExit
 
 
 class GuardedExampleConnector(ExampleConnector):
@@ -95,35 +90,31 @@ class GuardedExampleConnector(ExampleConnector):
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        self._kvguard_pool: GuardedBlockPool | None = None
+        # The exit gate; its copies are folders in place, by path.
+        self.kvguard_gate = ExitGate(TIER, STORAGE_COUNTERS)
+        self.kvguard_counters = self.kvguard_gate.counters
         # Scheduler side: requests handed to the connector this step (their hashes).
         self._kvguard_new: dict[str, Any] = {}
         self._kvguard_pending: list[_Pending] = []
-        # Folders kvguard records as holding validated KV, and the hashes in each.
-        self._kvguard_folders: dict[str, tuple[BlockHash, ...]] = {}
-        self._kvguard_holders: dict[BlockHash, set[str]] = {}
         self._kvguard_names = (f"{_STAGING}{os.getpid()}-{n}" for n in itertools.count())
         # Worker side: the staging folder of the store being written, if any.
         self._kvguard_into: str | None = None
-        self.kvguard_counters = dict.fromkeys(STORAGE_COUNTERS, 0)
 
     # ------------------------------------------------------------------ binding
 
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         super().bind_gpu_block_pool(gpu_block_pool)
-        if isinstance(gpu_block_pool, GuardedBlockPool):
-            if not gpu_block_pool.enable_caching:
-                raise GuardConfigError(
-                    "kvguard gates ExampleConnector's stores by the block hashes vLLM "
-                    "computes with prefix caching: turn prefix caching on "
-                    "(--enable-prefix-caching), or run this connector unguarded "
-                    "(KVGUARD_GUARD=0)"
-                )
-            self._kvguard_pool = gpu_block_pool
-            gpu_block_pool.tier_purgers.add(TIER, self._kvguard_purge)
+        if isinstance(gpu_block_pool, GuardedBlockPool) and not gpu_block_pool.enable_caching:
+            raise GuardConfigError(
+                "kvguard gates ExampleConnector's stores by the block hashes vLLM "
+                "computes with prefix caching: turn prefix caching on "
+                "(--enable-prefix-caching), or run this connector unguarded "
+                "(KVGUARD_GUARD=0)"
+            )
+        self.kvguard_gate.bind(gpu_block_pool, self._kvguard_purge)
 
     def kvguard_stats(self) -> dict[str, int]:
-        return dict(self.kvguard_counters)
+        return self.kvguard_gate.stats()
 
     # ------------------------------------------------------------------ worker side
 
@@ -173,8 +164,7 @@ class GuardedExampleConnector(ExampleConnector):
         loading = dict(self._requests_need_load)
         meta = super().build_connector_meta(scheduler_output)
         new, self._kvguard_new = self._kvguard_new, {}
-        pool = self._kvguard_pool
-        if pool is None:
+        if self.kvguard_gate.pool is None:
             return meta
         # vLLM's metadata names no request: match each entry to its request by the
         # tokens it covers (the requests it could be: loads, or new ones storing). A
@@ -184,7 +174,7 @@ class GuardedExampleConnector(ExampleConnector):
         kept = []
         for entry in meta.requests:
             request = _take_match(storing if entry.is_store else loads, entry.token_ids.tolist())
-            pending = None if request is None else self._kvguard_pend(pool, request, entry)
+            pending = None if request is None else self._kvguard_pend(request, entry)
             if pending is not None:
                 self._kvguard_pending.append(pending)
             elif entry.is_store:
@@ -197,62 +187,60 @@ class GuardedExampleConnector(ExampleConnector):
         meta.requests = kept
         return meta
 
-    def _kvguard_pend(self, pool: GuardedBlockPool, request: Any, entry: Any) -> _Pending | None:
+    def _kvguard_pend(self, request: Any, entry: Any) -> _Pending | None:
         """The pending record of a metadata entry (a store gets its staging folder), or
         None if the request has no block hash for a block the entry covers."""
         block_size = self._block_size
         slots = entry.slot_mapping.tolist()
-        block_ids = tuple(s // block_size for s in slots[::block_size])
-        suffix = group_suffix(0)
-        hashes = tuple(BlockHash(h + suffix) for h in request.block_hashes[: len(block_ids)])
-        if len(hashes) < len(block_ids):
+        block_ids = [s // block_size for s in slots[::block_size]]
+        keys = [group_key(h, 0) for h in request.block_hashes[: len(block_ids)]]
+        if len(keys) < len(block_ids):
             return None
         folder = str(super()._generate_foldername_debug(entry.token_ids, entry.mm_hashes, False))
         staging = None
         if entry.is_store:
             staging = entry.kvguard_staging = f"{folder}{next(self._kvguard_names)}"
-        generations = tuple(pool.blocks[b].generation for b in block_ids)
-        return _Pending(request.request_id, folder, staging, block_ids, hashes, generations)
+        exit_ = self.kvguard_gate.pend(block_ids, keys)
+        return _Pending(request.request_id, folder, staging, exit_)
 
     def kvguard_settle_stores(self) -> None:
         """After an output was processed: commit what validated, delete what failed."""
         pending = self._kvguard_pending
-        pool = self._kvguard_pool
-        if not pending or pool is None:
+        gate = self.kvguard_gate
+        if not pending or gate.pool is None:
             return
-        records = pool.blocks
         waiting: list[_Pending] = []
         for item in pending:
-            verdict = _verdict(records, item)
+            verdict = gate.verdict(item.exit)
             if verdict is True:
-                self._kvguard_commit(pool, item)
+                self._kvguard_commit(item)
             elif verdict is False:
                 self._kvguard_fail(item)
             else:
                 waiting.append(item)
         self._kvguard_pending = waiting
 
-    def _kvguard_commit(self, pool: GuardedBlockPool, item: _Pending) -> None:
+    def _kvguard_commit(self, item: _Pending) -> None:
         """Every block of the folder validated: put a store's folder in place, and
         record the tier copy (a load's folder holds what the step vouched for)."""
+        gate = self.kvguard_gate
+        tickets = gate.open_all(item.exit.block_ids)
+        if isinstance(tickets, int):  # (the verdict was just in: not expected)
+            self._kvguard_fail(item)
+            return
         if item.staging is not None:
             try:
                 os.rename(item.staging, item.folder)
             except OSError:  # another store of this prompt is in place already
+                gate.fail(tickets)
                 self._kvguard_discard(item.staging)
                 return
-            self.kvguard_counters["storage_stores_committed"] += 1
+            gate.count("storage_stores_committed")
         elif not os.path.isdir(item.folder):
+            gate.fail(tickets)
             return  # a loaded folder another request's failed step deleted meanwhile
-        core = pool.core
-        for block_id in item.block_ids:
-            try:
-                core.ack_store(core.begin_store(block_id, TIER))
-            except NotStorableError:  # (checked just above: not expected)
-                continue
-        self._kvguard_folders[item.folder] = item.hashes
-        for block_hash in item.hashes:
-            self._kvguard_holders.setdefault(block_hash, set()).add(item.folder)
+        if not gate.settle(item.folder, tickets):  # (acknowledged at once: not expected)
+            self._kvguard_delete(item.folder)
 
     def _kvguard_fail(self, item: _Pending) -> None:
         """A block of the folder was quarantined (or reused): its step failed, or never
@@ -271,48 +259,21 @@ class GuardedExampleConnector(ExampleConnector):
 
     def _kvguard_discard(self, staging: str) -> None:
         shutil.rmtree(staging, ignore_errors=True)
-        self.kvguard_counters["storage_stores_discarded"] += 1
+        self.kvguard_gate.count("storage_stores_discarded")
 
     def _kvguard_delete(self, folder: str) -> None:
-        """Delete a folder in place and kvguard's record of what it held."""
+        """Delete a folder in place, and the gate's record of it."""
         shutil.rmtree(folder, ignore_errors=True)
-        self.kvguard_counters["storage_folders_purged"] += 1
-        pool = self._kvguard_pool
-        for block_hash in self._kvguard_folders.pop(folder, ()):
-            holders = self._kvguard_holders.get(block_hash)
-            if holders is None:
-                continue
-            holders.discard(folder)
-            if not holders:
-                del self._kvguard_holders[block_hash]
-                if pool is not None:
-                    pool.core.forget_tier_copy(TIER, block_hash)
+        self.kvguard_gate.count("storage_folders_purged")
+        self.kvguard_gate.forget([folder])
 
     def _kvguard_purge(self, hashes: Sequence[BlockHash]) -> Iterable[BlockHash]:
         """The tier's purger: delete every folder holding one of ``hashes``."""
-        purged = [h for h in hashes if self._kvguard_holders.get(h)]
-        folders = set().union(*(self._kvguard_holders[h] for h in purged))
-        for folder in sorted(folders):
+        holding = self.kvguard_gate.copies_holding(hashes)
+        held = set().union(*holding.values())
+        for folder in sorted(holding):
             self._kvguard_delete(folder)
-        return purged
-
-
-def _verdict(records: Sequence[Any], item: _Pending) -> bool | None:
-    """True when every block of ``item`` is VALIDATED or later under its hash; None
-    while one is still being written (its step not validated yet); False otherwise
-    (quarantined, released, or holding other tokens now)."""
-    verdict: bool | None = True
-    for block_id, block_hash, generation in zip(
-        item.block_ids, item.hashes, item.generations, strict=True
-    ):
-        block = records[block_id]
-        if block.generation != generation:
-            return False  # released since (quarantined, or reused for another request)
-        if block.state is BlockState.WRITTEN:
-            verdict = None
-        elif block.state not in STORABLE_STATES or block.block_hash != block_hash:
-            return False
-    return verdict
+        return [h for h in hashes if h in held]
 
 
 def _take_match(candidates: list[Any], token_ids: list[int]) -> Any:

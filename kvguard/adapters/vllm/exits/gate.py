@@ -4,7 +4,7 @@ Every way KV leaves -- a CPU tier (vLLM's offloading, SimpleCPU), shared storage
 prefill/decode transfer -- asks the same question: *may this request's leading blocks
 leave now, and under which keys?* Connectors are thin adapters from their vLLM hook to
 an :class:`ExitGate`; none reads a block record itself
-(``tests/vllm/test_exits_read_no_block_state.py`` fails if one does). The gate owns:
+(``tests/test_exits_read_no_block_state.py`` fails if one does). The gate owns:
 
 * **the rule** -- a block may leave for a request only when it is VALIDATED or later and
   carries this request's key at its position: the core's predicate
@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
@@ -196,17 +197,21 @@ class ExitGate:
         start: int = 0,
         *,
         null_passes: bool = False,
+        held: bool = True,
     ) -> int:
         """How many of the request's leading blocks of group ``group_id`` may leave:
         from ``start`` (the blocks before it were offered already, and are not asked
         about), each block of ``block_ids`` storable under the request's key at its
-        position; at least ``start`` (0 when the gate is unbound).
+        position (at most the blocks both lists cover; 0 when the gate is unbound).
 
         ``block_ids`` is the request's block table of that group as the connector keeps
         it (appended to as the request runs), ``request_hashes`` the request's vLLM
         block hashes (at the pool's hash block size), ``block_size`` the group's. The
         null block stops the frontier, unless ``null_passes`` (a connector that stores
-        past a window's freed blocks).
+        past a window's freed blocks). ``held``: the request holds every block of
+        ``block_ids`` while it runs (full attention); False for a group whose blocks
+        leave the request as it runs (a window) while the connector keeps their ids --
+        such a frontier is verified from ``start`` at every call.
 
         Runtime: O(1) amortized per call. The answer is kept per (request, group) and
         moved only forward, from where it stopped; it is verified again from ``start``
@@ -218,7 +223,7 @@ class ExitGate:
         """
         pool = self._pool
         if pool is None or self._exit_epoch is None:
-            return start
+            return 0
         records = pool.blocks
         epoch = self._exit_epoch()
         known = self._frontiers.get((request_id, group_id))
@@ -228,7 +233,9 @@ class ExitGate:
             self._frontiers[(request_id, group_id)] = known
         n = known.n
         if n > start and (
-            known.epoch != epoch
+            not held
+            or known.epoch != epoch
+            or known.last < 0
             or n > len(block_ids)
             or block_ids[n - 1] != known.last
             or records[known.last].generation != known.last_generation
@@ -238,7 +245,9 @@ class ExitGate:
             n = start
         hashes = known.hashes
         end = min(len(block_ids), len(hashes))
-        if n < end:
+        if n > end:
+            n = end  # (no block, or no hash yet, past the end: nothing to offer there)
+        elif n < end:
             suffix = group_suffix(group_id)
             while n < end:
                 block = records[block_ids[n]]
@@ -250,11 +259,11 @@ class ExitGate:
                 n += 1
         known.n = n
         known.epoch = epoch
-        if n:
-            last = block_ids[n - 1]
-            known.last = last
-            # (A null block at the frontier's end is never trusted: verified again.)
-            known.last_generation = -1 if records[last].is_null else records[last].generation
+        if 0 < n <= len(block_ids) and not records[block_ids[n - 1]].is_null:
+            known.last = block_ids[n - 1]
+            known.last_generation = records[known.last].generation
+        else:
+            known.last = -1  # (nothing verified to trust: verified again next time)
         return n
 
     def forget_requests(self, keep: Collection[str] = ()) -> None:
@@ -304,10 +313,14 @@ class ExitGate:
             return None
 
     def open_all(self, block_ids: Iterable[int]) -> list[StoreTicket] | int:
-        """Tickets for every block, or -- if kvguard refuses one -- that block's id,
-        with the tickets opened before it failed."""
+        """Tickets for every block but the null block (a window's freed position: not
+        copied), or -- if kvguard refuses one -- that block's id, with the tickets
+        opened before it failed."""
+        records = self._bound().blocks
         tickets: list[StoreTicket] = []
         for block_id in block_ids:
+            if records[block_id].is_null:
+                continue
             ticket = self.open(block_id)
             if ticket is None:
                 self.fail(tickets)
@@ -367,6 +380,14 @@ class ExitGate:
     def copies(self) -> list[Any]:
         """Every copy the record names."""
         return list(self._copies)
+
+    def recorded(self) -> Mapping[Any, tuple[BlockHash, ...]]:
+        """The record, read-only: copy -> the keys it holds."""
+        return MappingProxyType(self._copies)
+
+    def held_keys(self) -> Collection[BlockHash]:
+        """Every key some recorded copy holds (kvguard records a tier copy of each)."""
+        return self._holders.keys()
 
     def copies_holding(self, keys: Iterable[BlockHash]) -> dict[Any, tuple[BlockHash, ...]]:
         """The recorded copies holding one of ``keys``, and the keys each holds (a

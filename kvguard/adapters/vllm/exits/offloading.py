@@ -44,7 +44,7 @@ code unchanged.
 Without kvguard's pool underneath (stock scheduler, or the guard off: vLLM's own
 scheduler and pool) it is vLLM's ``OffloadingConnector``. Select it with
 ``KVTransferConfig(kv_connector="GuardedOffloadingConnector",
-kv_connector_module_path="kvguard.adapters.vllm.exits.offloading")``, or let the plugin
+kv_connector_module_path="kvguard.adapters.vllm")``, or let the plugin
 (``KVGUARD_GUARD=1``) substitute it for ``OffloadingConnector``.
 """
 
@@ -53,7 +53,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from contextlib import nullcontext
 from itertools import chain
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvguard.adapters.vllm._compat import (
     offload_hooks_are_locked,
@@ -83,33 +83,23 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import ( 
     OffloadingConnector,
 )
 from vllm.logger import init_logger  # noqa: E402
-from vllm.v1.core.kv_cache_utils import (  # noqa: E402
-    resolve_block_hashes,
-)
 from vllm.v1.kv_offload.base import LookupResult, OffloadingEvent  # noqa: E402
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 
+from kvguard.adapters.vllm.exits.gate import ExitGate  # noqa: E402
 from kvguard.adapters.vllm.metrics import CONNECTOR_HELP  # noqa: E402
-from kvguard.adapters.vllm.pool.block_pool import GuardedBlockPool, group_suffix  # noqa: E402
-from kvguard.errors import NotStorableError  # noqa: E402
 from kvguard.hashing import BlockHash  # noqa: E402
 from kvguard.results import StoreTicket  # noqa: E402
-from kvguard.states import STORABLE_STATES  # noqa: E402
+
+if TYPE_CHECKING:
+    from kvguard.adapters.vllm.pool.block_pool import GuardedBlockPool
 
 logger = init_logger(f"vllm.{__name__}")
 """Under vLLM's logger, as the scheduler's: vLLM's handler, format and level apply."""
 
 TIER = "vllm-offload"
 """The tier name kvguard records the connector's copies under (``tier_copies``)."""
-
-
-def fail_tickets(core: Any, by_key: dict[Any, list[StoreTicket]]) -> None:
-    """Fail every ticket of a store job (offload key -> its blocks' tickets): none of
-    its copies becomes a tier copy in kvguard."""
-    for taken in by_key.values():
-        for ticket in taken:
-            core.fail_store(ticket)
 
 
 def drop_idle_chunks(manager: CPUOffloadingManager, chunks: list[tuple[Any, Any]]) -> None:
@@ -128,63 +118,56 @@ def drop_idle_chunks(manager: CPUOffloadingManager, chunks: list[tuple[Any, Any]
 
 
 class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
-    """The scheduler side of :class:`GuardedOffloadingConnector`."""
+    """The scheduler side of :class:`GuardedOffloadingConnector`: vLLM's hooks
+    translated to kvguard's exit gate (:attr:`kvguard_gate`, whose copies are the CPU
+    tier's chunks, by offload key)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._kvguard_kv_cache_manager: Any = None
+        self.kvguard_gate = ExitGate(TIER, CONNECTOR_HELP)
+        self.kvguard_counters = self.kvguard_gate.counters
         # Store job id -> offload key -> the tickets of the blocks that chunk copies.
         self._kvguard_tickets: dict[int, dict[Any, list[StoreTicket]]] = {}
-        # Offload key -> the block hashes kvguard records a tier copy of for it: what
-        # to forget when the tier evicts the chunk (at most one entry per chunk the
-        # tier holds, so kvguard's record of tier copies stays the tier's size).
-        self._kvguard_stored: dict[Any, tuple[BlockHash, ...]] = {}
         # Offload keys of purged chunks still being loaded: out of every lookup, dropped
         # from the tier when their last load completes (see _kvguard_purge).
         self._kvguard_purging: set[Any] = set()
+        # Per group the connector stores: its id, block size, and whether a request
+        # holds its blocks while it runs -- a full-attention group's (a window's, a
+        # local chunk's or a Mamba state's leave it, their ids staying in the table).
+        self._kvguard_groups = tuple(
+            (config.group_idx, config.tokens_per_block, i in self._full_attention_groups)
+            for i, config in enumerate(self.config.kv_group_configs)
+        )
         self._kvguard_observe_tier_evictions()
         if type(self.manager) is CPUOffloadingManager:
             self._kvguard_observe_loads()
-        self.kvguard_counters = dict.fromkeys(CONNECTOR_HELP, 0)
 
     def _kvguard_observe_tier_evictions(self) -> None:
         """The offloading manager evicts chunks only to make room for a store, and
         says which in ``prepare_store``'s result (``evicted_keys``); vLLM keeps no other
-        record of them. Read it there."""
+        record of them. Read it there: the gate's record follows the tier."""
         manager = self.manager
         prepare_store = manager.prepare_store
+        gate = self.kvguard_gate
 
         def observed_prepare_store(keys: Collection[Any], req_context: Any) -> Any:
             out = prepare_store(keys, req_context)
             if out is not None and out.evicted_keys:
-                self.kvguard_counters["offload_chunks_evicted"] += len(out.evicted_keys)
-                self._kvguard_forget_chunks(out.evicted_keys)
+                gate.count("offload_chunks_evicted", len(out.evicted_keys))
+                gate.forget(out.evicted_keys)
             return out
 
         manager.prepare_store = observed_prepare_store
 
-    def _kvguard_forget_chunks(self, keys: Collection[Any]) -> None:
-        """The tier no longer holds these chunks: forget kvguard's record of their
-        blocks' copies."""
-        stored = self._kvguard_stored
-        pool = self.kvguard_pool()
-        for key in keys:
-            hashes = stored.pop(key, ())
-            if pool is not None:
-                for block_hash in hashes:
-                    pool.core.forget_tier_copy(TIER, block_hash)
-
     def kvguard_bind(self, kv_cache_manager: Any) -> None:
-        """Bind to the scheduler's KV cache manager: vLLM's pool at first, kvguard's
-        once the guarded scheduler installed it and binds the connectors again; then
-        the tier's purger is registered with kvguard's pool."""
-        self._kvguard_kv_cache_manager = kv_cache_manager
-        pool = self.kvguard_pool()
-        if pool is None:
-            return
-        if type(self.manager) is CPUOffloadingManager:
-            pool.tier_purgers.add(TIER, self._kvguard_purge)
-        else:
+        """Bind the gate to the scheduler's pool: vLLM's at first (the gate stays
+        unbound, the connector vLLM's own), kvguard's once the guarded scheduler
+        installed it and binds the connectors again; the tier's purger is registered
+        with it."""
+        pool = getattr(kv_cache_manager, "block_pool", None)
+        purgeable = type(self.manager) is CPUOffloadingManager
+        bound = self.kvguard_gate.bind(pool, self._kvguard_purge if purgeable else None)
+        if bound is not None and not purgeable:
             logger.warning(
                 "kvguard: the offloading connector's manager is %s, not vLLM's "
                 "CPUOffloadingManager: copies of KV invalidated after the fact cannot be "
@@ -195,65 +178,35 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
     def kvguard_pool(self) -> GuardedBlockPool | None:
         """kvguard's pool under the scheduler, or None (vLLM's own pool: stock vLLM or
         the guard off; the connector is then vLLM's own)."""
-        manager = self._kvguard_kv_cache_manager
-        pool = getattr(manager, "block_pool", None)
-        return pool if isinstance(pool, GuardedBlockPool) else None
+        return self.kvguard_gate.pool
 
     # ------------------------------------------------------------------ store admission
 
-    def _kvguard_group_views(self, pool: GuardedBlockPool) -> list[tuple[int, bytes, bool]]:
-        """Per KV cache group the connector stores: its block size, the suffix its
-        hashes carry in kvguard's keys (make_block_hash_with_group_id(h, g) is h + g's 4
-        big-endian bytes), and whether the request's hashes need a view at that size."""
-        return [
-            (
-                config.tokens_per_block,
-                group_suffix(config.group_idx),
-                config.tokens_per_block != pool.hash_block_size,
-            )
-            for config in self.config.kv_group_configs
-        ]
-
-    def _kvguard_validated_tokens(
-        self, pool: GuardedBlockPool, groups: list[tuple[int, bytes, bool]], req_status: Any
-    ) -> int:
-        """Tokens of the request's leading blocks kvguard allows to be stored: each
-        block VALIDATED or later and carrying this request's hash for its position.
-
-        Called for every scheduled request at every step, so it reads kvguard's block
-        records (the objects vLLM holds as its blocks) instead of asking the pool per
-        block; usually the first block past vLLM's chunk pointer stops it."""
-        records = pool.blocks
+    def _kvguard_validated_tokens(self, req_id: str, req_status: Any) -> int:
+        """Tokens of the request's leading blocks the gate lets leave: in every group,
+        its validated frontier (from vLLM's chunk pointer on: chunks before it were
+        offered already)."""
+        gate = self.kvguard_gate
         blocks_per_chunk = self.config.blocks_per_chunk
         request_hashes = req_status.req.block_hashes
         limit = -1
-        views = zip(groups, req_status.group_states, strict=True)
-        for (block_size, suffix, resized), group_state in views:
-            hashes = (
-                resolve_block_hashes(request_hashes, pool.hash_block_size, block_size)
-                if resized
-                else request_hashes
+        views = zip(self._kvguard_groups, req_status.group_states, strict=True)
+        for (group_id, block_size, held), group_state in views:
+            n = gate.frontier(
+                req_id,
+                group_id,
+                group_state.block_ids,
+                request_hashes,
+                block_size,
+                group_state.next_stored_chunk_idx * blocks_per_chunk,
+                held=held,
             )
-            block_ids = group_state.block_ids
-            end = min(len(block_ids), len(hashes))
-            # Chunks before vLLM's pointer were offered already; only newer ones count.
-            n = min(group_state.next_stored_chunk_idx * blocks_per_chunk, end)
-            while n < end:
-                block_id = block_ids[n]
-                if not block_id:
-                    break  # the null block (outside a window)
-                block = records[block_id]
-                if block.state not in STORABLE_STATES or block.block_hash != hashes[n] + suffix:
-                    break  # unvalidated, or reused for other tokens since this request held it
-                n += 1
             tokens = n * block_size
             if limit < 0 or tokens < limit:
                 limit = tokens
         return max(limit, 0)
 
-    def _kvguard_hold_back_hits(
-        self, groups: list[tuple[int, bytes, bool]], req_status: Any, limit: int
-    ) -> int:
+    def _kvguard_hold_back_hits(self, req_status: Any, limit: int) -> int:
         """``limit`` for a request whose storable blocks past vLLM's chunk pointer are
         all prefix-cache hits: while it is running, nothing, until its own first blocks
         validate too -- then vLLM offers both in one ``prepare_store`` call, as stock
@@ -264,13 +217,15 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
         blocks_per_chunk = self.config.blocks_per_chunk
         offered = min(
             group_state.next_stored_chunk_idx * blocks_per_chunk * block_size
-            for (block_size, _, _), group_state in zip(groups, req_status.group_states, strict=True)
+            for (_, block_size, _), group_state in zip(
+                self._kvguard_groups, req_status.group_states, strict=True
+            )
         )
         return min(limit, offered)
 
     def _build_store_jobs(self, scheduler_output: Any) -> dict[int, Any]:
-        pool = self.kvguard_pool()
-        if pool is None:
+        gate = self.kvguard_gate
+        if gate.pool is None:
             return super()._build_store_jobs(scheduler_output)
         # While vLLM builds the step's store jobs, each request's offloadable range is
         # clamped by vLLM's own per-request knob, ``max_offload_tokens`` (a request's
@@ -279,7 +234,6 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
         # after.
         statuses = self._req_status
         validated_tokens = self._kvguard_validated_tokens
-        groups = self._kvguard_group_views(pool)
         clamped: list[tuple[Any, int | None]] = []
         try:
             for req_id in chain(
@@ -288,9 +242,9 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
                 req_status = statuses.get(req_id)
                 if req_status is None:
                     continue
-                limit = validated_tokens(pool, groups, req_status)
+                limit = validated_tokens(req_id, req_status)
                 if limit <= req_status.num_locally_computed_tokens:
-                    limit = self._kvguard_hold_back_hits(groups, req_status, limit)
+                    limit = self._kvguard_hold_back_hits(req_status, limit)
                 own = req_status.max_offload_tokens
                 clamped.append((req_status, own))
                 if own is None or limit < own:
@@ -299,14 +253,15 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
         finally:
             for req_status, own in reversed(clamped):
                 req_status.max_offload_tokens = own
-        return self._kvguard_admit(pool, jobs)
+        if gate.num_frontiers() > 2 * len(self.config.kv_group_configs) * len(statuses) + 64:
+            gate.forget_requests(statuses)  # (amortized: requests gone since)
+        return self._kvguard_admit(jobs)
 
     def _build_partial_tail_store_jobs(self, scheduler_output: Any) -> dict[int, Any]:
         jobs = super()._build_partial_tail_store_jobs(scheduler_output)
-        pool = self.kvguard_pool()
-        if pool is None or not jobs:
+        if self.kvguard_gate.pool is None or not jobs:
             return jobs
-        return self._kvguard_admit(pool, jobs)
+        return self._kvguard_admit(jobs)
 
     def _kvguard_key_blocks(self, job: Any, status: Any) -> dict[Any, list[int]]:
         """Offload key -> the GPU blocks the job copies for it."""
@@ -322,7 +277,7 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
                 key = keys[chunk]
                 if key in wanted and key not in out:
                     start = chunk * blocks_per_chunk
-                    out[key] = [b for b in block_ids[start : start + blocks_per_chunk] if b]
+                    out[key] = block_ids[start : start + blocks_per_chunk]
                     if len(out) == len(wanted):
                         return out
         # Keys not in the request's chunk list (boundary stores): all the job's blocks.
@@ -331,29 +286,24 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
             out.setdefault(key, every)
         return out
 
-    def _kvguard_admit(self, pool: GuardedBlockPool, jobs: dict[int, Any]) -> dict[int, Any]:
-        """Take a ticket per source block of each job; cancel a job kvguard refuses."""
-        core = pool.core
-        counters = self.kvguard_counters
+    def _kvguard_admit(self, jobs: dict[int, Any]) -> dict[int, Any]:
+        """Open a ticket per source block of each job; cancel a job kvguard refuses."""
+        gate = self.kvguard_gate
         for job_id in list(jobs):
             status = self._jobs[job_id]
             tickets: dict[Any, list[StoreTicket]] = {}
             refused: int | None = None
             for key, block_ids in self._kvguard_key_blocks(jobs[job_id], status).items():
-                taken = tickets.setdefault(key, [])
-                for block_id in block_ids:
-                    try:
-                        taken.append(core.begin_store(block_id, TIER))
-                    except NotStorableError:
-                        refused = block_id
-                        break
-                if refused is not None:
+                taken = gate.open_all(block_ids)
+                if isinstance(taken, int):
+                    refused = taken
                     break
+                tickets[key] = taken
             if refused is None:
                 self._kvguard_tickets[job_id] = tickets
-                counters["offload_store_jobs"] += 1
+                gate.count("offload_store_jobs")
                 continue
-            fail_tickets(core, tickets)
+            gate.fail(chain.from_iterable(tickets.values()))
             logger.warning(
                 "kvguard: store job %d of request %s copies block %d, which is not "
                 "validated; the job is cancelled",
@@ -362,7 +312,7 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
                 refused,
             )
             self._kvguard_cancel(job_id, jobs.pop(job_id).req_id, status)
-            counters["offload_store_jobs_cancelled"] += 1
+            gate.count("offload_store_jobs_cancelled")
         return jobs
 
     def _kvguard_cancel(self, job_id: int, req_id: str, status: Any) -> None:
@@ -412,35 +362,20 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
         """A worker reports the store job failed (vLLM 0.34): its tickets fail, and no
         chunk of it is recorded as a tier copy."""
         by_key = self._kvguard_tickets.pop(job_id)
-        pool = self.kvguard_pool()
-        if pool is not None:
-            fail_tickets(pool.core, by_key)
-        self.kvguard_counters["offload_store_jobs_failed"] += 1
+        self.kvguard_gate.fail(chain.from_iterable(by_key.values()))
+        self.kvguard_gate.count("offload_store_jobs_failed")
 
     def _kvguard_acknowledge(self, job_id: int, status: Any) -> None:
-        """Every worker finished the job: register its copies in kvguard; a chunk
-        whose block changed since the copy began is discarded from the tier."""
-        pool = self.kvguard_pool()
+        """Every worker finished the job: each chunk's copy is settled with the gate;
+        a chunk whose block changed since the copy began is discarded from the tier."""
+        gate = self.kvguard_gate
         by_key = self._kvguard_tickets.pop(job_id)
-        if pool is None:
+        if gate.pool is None:
             return
-        core = pool.core
-        discard: list[Any] = []
-        stored = self._kvguard_stored
-        ack = core.ack_store
-        for key, taken in by_key.items():  # (one chunk each: per stored chunk, lean)
-            acks = [ack(ticket) for ticket in taken]
-            if False not in acks:
-                stored[key] = tuple([ticket.block_hash for ticket in taken])
-                continue
-            for ticket, ok in zip(taken, acks, strict=True):
-                if ok:  # the chunk goes as a whole
-                    core.forget_tier_copy(TIER, ticket.block_hash)
-            discard.append(key)
-        counters = self.kvguard_counters
-        counters["offload_chunks_stored"] += len(by_key) - len(discard)
+        discard = [key for key, taken in by_key.items() if not gate.settle(key, taken)]
+        gate.count("offload_chunks_stored", len(by_key) - len(discard))
         if discard:
-            counters["offload_chunks_discarded"] += len(discard)
+            gate.count("offload_chunks_discarded", len(discard))
             # (The job's keys: a set before vLLM 0.34, a tuple in prefix order since.)
             status.keys = type(status.keys)(k for k in status.keys if k not in discard)
             req_status = self._req_status[status.req_id]
@@ -451,26 +386,20 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
     def _kvguard_purge(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
         """The tier's purger (:mod:`kvguard.adapters.vllm.exits.tier_purge`): drop every chunk
         holding one of ``hashes`` (kvguard's keys) from vLLM's CPU manager; returns
-        those hashes whose copy was dropped.
-
-        A chunk goes as a whole, so the records of its other blocks are withdrawn too
-        (unless another chunk the tier holds has them). Invalidations are rare: this
-        scans kvguard's record of the tier's chunks rather than keep an index by hash
-        on the store path."""
-        wanted = set(hashes)
-        stored = self._kvguard_stored
-        chunks = [key for key, held in stored.items() if not wanted.isdisjoint(held)]
-        if not chunks:
+        those hashes whose copy was dropped. A chunk goes as a whole: the gate
+        withdraws the records of its other blocks (unless another chunk the tier holds
+        has them)."""
+        gate = self.kvguard_gate
+        holding = gate.copies_holding(hashes)
+        if not holding:
             return []
+        wanted = set(hashes)
         purged: dict[BlockHash, None] = {}
-        others: set[BlockHash] = set()
         idle: list[tuple[Any, Any]] = []
         dropped = 0
         with self._kvguard_manager_lock():
             manager = self.manager
-            for key in chunks:
-                held = stored.pop(key)
-                others.update(held)
+            for key, held in holding.items():
                 chunk = manager._policy.get(key)
                 if chunk is None or not chunk.is_ready:
                     # Not in the tier, or stored again and still being written
@@ -487,13 +416,8 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
                 dropped += 1
             drop_idle_chunks(manager, idle)
         # (The core dropped its record of ``hashes`` itself, when it invalidated them.)
-        others.difference_update(wanted)
-        pool = self.kvguard_pool()
-        if others and pool is not None:
-            others.difference_update(chain.from_iterable(stored.values()))
-            for block_hash in others:
-                pool.core.forget_tier_copy(TIER, block_hash)
-        self.kvguard_counters["offload_chunks_purged"] += dropped
+        gate.forget(holding)
+        gate.count("offload_chunks_purged", dropped)
         return list(purged)
 
     def _kvguard_observe_loads(self) -> None:
@@ -531,11 +455,14 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
 
     def _kvguard_fail_in_flight(self) -> None:
         """A cache reset flushes every job in flight: their tickets fail."""
-        pool = self.kvguard_pool()
-        if pool is not None:
-            for by_key in self._kvguard_tickets.values():
-                fail_tickets(pool.core, by_key)
+        for by_key in self._kvguard_tickets.values():
+            self.kvguard_gate.fail(chain.from_iterable(by_key.values()))
         self._kvguard_tickets.clear()
+
+    def _kvguard_tier_emptied(self) -> None:
+        """The reset emptied the tier: the gate's record of it goes."""
+        self._kvguard_purging.clear()
+        self.kvguard_gate.forget(self.kvguard_gate.copies())
 
     # vLLM's hooks for the workers' output and for a cache reset: under the offloading
     # manager's lock where vLLM has one (see _compat.offload_hooks_are_locked).
@@ -548,8 +475,7 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
         def _reset_cache(self) -> None:
             self._kvguard_fail_in_flight()
             super()._reset_cache()  # empties the tier
-            self._kvguard_purging.clear()
-            self._kvguard_forget_chunks(list(self._kvguard_stored))
+            self._kvguard_tier_emptied()
 
     else:
 
@@ -560,8 +486,7 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
         def reset_cache(self) -> None:
             self._kvguard_fail_in_flight()
             super().reset_cache()  # empties the tier
-            self._kvguard_purging.clear()
-            self._kvguard_forget_chunks(list(self._kvguard_stored))
+            self._kvguard_tier_emptied()
 
     def kvguard_in_flight(self) -> dict[int, Collection[Any]]:
         """Store job id -> offload keys of the jobs whose acknowledgement is due."""
@@ -596,4 +521,4 @@ class GuardedOffloadingConnector(OffloadingConnector):
     def kvguard_stats(self) -> dict[str, int]:
         if self.connector_scheduler is None:
             return {}
-        return dict(self.connector_scheduler.kvguard_counters)
+        return self.connector_scheduler.kvguard_gate.stats()

@@ -56,7 +56,7 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvguard.adapters.vllm.config import NAN_SETTING, GuardConfigError  # noqa: E402
-from kvguard.adapters.vllm.exits.coverage import (  # noqa: E402
+from kvguard.adapters.vllm.exits.gate import (  # noqa: E402
     NORMAL_ENDS,
     withhold_from_connector,
 )
@@ -453,7 +453,7 @@ class _StepVerdict(_GuardStartUp):
             pool.free_blocks(reversed(manager.pop_blocks_for_free(req_id)), steps_passed=True)
 
     def _connector_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
-        # The request-finished gate (kvguard.adapters.vllm.exits.coverage): only a
+        # The request-finished gate (kvguard.adapters.vllm.exits.gate): only a
         # request that ended after clean, counted steps is handed to the connector.
         finished = super()._connector_finished  # type: ignore[misc]
         if request.request_id in self._kvguard_clean or self.connector is None:

@@ -11,8 +11,8 @@ from vllm.v1.core.kv_cache_utils import hash_block_tokens
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
+from kvguard.adapters.vllm.exits.gate import group_key, group_keys
 from kvguard.adapters.vllm.exits.tier_purge import TierPurgeReport
-from kvguard.adapters.vllm.pool.block_pool import group_suffix
 from kvguard.adapters.vllm.scheduler.startup import _GuardStartUp, logger
 from kvguard.hashing import BlockHash
 
@@ -31,7 +31,7 @@ class _Invalidation(_GuardStartUp):
         guarded connectors' CPU tiers and stores). With ``descendants``, the hashes
         chained after them too: their KV was computed attending to the corrupt KV."""
         groups = len(self.kv_cache_config.kv_cache_groups)
-        keys = [BlockHash(h + group_suffix(g)) for h in block_hashes for g in range(groups)]
+        keys = group_keys(block_hashes, groups)
         report = self.kvguard_pool.invalidate(keys, descendants=descendants)
         self._kvguard_poison_loads(set(report.invalidation.hashes))
         self.kvguard_metrics.tier_copies_purged += report.copies_purged
@@ -64,11 +64,10 @@ class _Invalidation(_GuardStartUp):
             for group_id, manager in enumerate(managers):
                 if manager.block_size != hash_block_size:
                     continue  # (no connector loads such a group's blocks by hash)
-                suffix = group_suffix(group_id)
                 for block, block_hash in zip(
                     manager.req_to_blocks.get(req_id, ()), request.block_hashes, strict=False
                 ):
-                    if not block.is_null and BlockHash(block_hash + suffix) in tainted:
+                    if not block.is_null and group_key(block_hash, group_id) in tainted:
                         hit.append(block.block_id)
             if not hit:
                 continue
