@@ -56,6 +56,7 @@ from kvguard.adapters.vllm.scheduler.guarded import GuardedAsyncScheduler, Guard
 from kvguard.errors import IllegalTransitionError  # noqa: E402
 
 from .conftest import undo_plugin_patches_after  # noqa: E402
+from .exit_rule import may_leave  # noqa: E402
 from .harness import (  # noqa: E402
     BLOCK,
     finish_reasons,
@@ -431,6 +432,56 @@ def test_stock_vllm_stores_a_nan_requests_blocks(lazy: bool) -> None:
             cpu_pool = manager_of(s).cpu_block_pool
             nan_block = cpu_pool.cached_block_hash_to_block.get_one_block(kvguard_hash(prompt, 2))
             assert nan_block.block_id in loaded
+
+
+def lazy_scenario(guarded: bool, async_scheduling: bool) -> tuple[list[bool], list[bool]]:
+    """Lazy SimpleCPU on a 16-block GPU pool, 2-block prefill chunks, a CPU tier of 8
+    blocks: a clean request "a" of 6 full blocks + 5 tokens runs to its end; then "b",
+    5 blocks, whose second prefill chunk (its blocks 2 and 3) has NaN logits; then "c",
+    12 blocks, takes the pool, evicting a's cached blocks. Returns which of a's full
+    blocks and which of b's a store event copied."""
+    s = simple_cpu_scheduler(
+        guarded=guarded,
+        lazy=True,
+        async_scheduling=async_scheduling,
+        num_blocks=16,
+        cpu_blocks=8,
+        max_num_batched_tokens=2 * BLOCK,
+    )
+    d = Driver(s, async_scheduling)
+    a = list(range(1000, 1000 + 6 * BLOCK + 5))
+    b = list(range(3000, 3000 + 5 * BLOCK))
+    d.run(make_request("a", a, max_tokens=1))
+    d.run(make_request("b", b, max_tokens=2), {1: {"b": 1}})
+    d.run(make_request("c", list(range(7000, 7000 + 12 * BLOCK)), max_tokens=1))
+    assert d.finished == {"a": "length", "b": "error" if guarded else "length", "c": "length"}
+    if guarded:  # (a block may be copied again, once the CPU tier evicted its copy)
+        assert all(h is not None and may_leave(state) for _, h, state in d.workers.stored)
+    copied = {block_hash for _, block_hash, _ in d.workers.stored}
+    return (
+        [kvguard_hash(a, i) in copied for i in range(6)],
+        [kvguard_hash(b, i) in copied for i in range(5)],
+    )
+
+
+@SCHEDULING
+def test_lazy_mode_stores_a_clean_requests_blocks_as_stock_does(async_scheduling: bool) -> None:
+    """Lazy mode copies the cached blocks nearest eviction. vLLM 0.34 frees each block it
+    copied with ``evict_first``, and walks the free queue from its head every step: the
+    copied blocks absorb the next allocations while the walk reaches the next ones. The
+    guarded pool honours it, so kvguard stores what stock stores -- all 6 of a's blocks
+    (its pool once put copied blocks back at the LRU end, and c's allocations evicted a
+    block of a's never copied). Of b, stock copies the blocks the NaN step wrote, the
+    guard only the two its clean first chunk validated."""
+    stock_a, stock_b = lazy_scenario(False, async_scheduling)
+    guarded_a, guarded_b = lazy_scenario(True, async_scheduling)
+    if async_scheduling or vllm_series() >= (0, 34):
+        assert stock_a == [True] * 6
+    else:  # (0.33's walk resumes where it stopped: it passes a's first two blocks by)
+        assert stock_a == [False, False, True, True, True, True]
+    assert guarded_a == stock_a
+    assert stock_b[2:4] == [True, True]  # the NaN step's blocks: stock stores them
+    assert guarded_b == [True, True, False, False, False]
 
 
 # ---------------------------------------------------------------------- stores
