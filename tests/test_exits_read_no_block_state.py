@@ -33,9 +33,10 @@ def block_reads(source: str, filename: str) -> list[str]:
             names = {alias.name for alias in node.names}
             if node.module == "kvguard.states" or names & STATE_NAMES:
                 found.append(f"{filename}:{node.lineno}: imports {sorted(names)}")
-        elif isinstance(node, ast.Import):
-            if any(alias.name == "kvguard.states" for alias in node.names):
-                found.append(f"{filename}:{node.lineno}: imports kvguard.states")
+        elif isinstance(node, ast.Import) and any(
+            alias.name == "kvguard.states" for alias in node.names
+        ):
+            found.append(f"{filename}:{node.lineno}: imports kvguard.states")
     return found
 
 

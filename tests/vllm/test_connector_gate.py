@@ -31,7 +31,6 @@ from vllm.config import KVTransferConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector import factory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 
-from kvguard.adapters.vllm import plugin  # noqa: E402
 from kvguard.adapters.vllm.config import GuardConfigError  # noqa: E402
 from kvguard.adapters.vllm.exits.coverage import (  # noqa: E402
     COVERAGE,

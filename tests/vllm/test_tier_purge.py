@@ -312,7 +312,7 @@ def test_invalidating_a_stored_prefix_purges_its_simple_cpu_blocks(lazy: bool, m
     assert cpu_pool.get_num_free_blocks() == free
     assert [core.tier_copies(h) for h in sorted(tainted)] == [(), ()]
     assert core.tier_copies(simple_cpu_hash(PROMPT, 0)) == (SIMPLE_CPU,)
-    assert not tainted & manager._kvguard_stored
+    assert not tainted & set(manager.kvguard_gate.held_keys())
     stats = s.kvguard_stats()
     assert stats["tier_copies_purged"] == stats["offload_chunks_purged"] == 2
     assert stats["offload_chunks_evicted"] == 0  # (a purge is not an eviction)
@@ -342,7 +342,7 @@ def test_a_simple_cpu_purge_with_descendants_leaves_nothing_to_load() -> None:
     assert set(report.purged[SIMPLE_CPU]) == kvguard_keys(a, range(4))
     assert in_cpu_tier(s, PROMPT) == [False] * 4
     assert [core.tier_copies(simple_cpu_hash(PROMPT, i)) for i in range(4)] == [()] * 4
-    assert not kvguard_keys(a, range(4)) & manager_of(s)._kvguard_stored
+    assert not kvguard_keys(a, range(4)) & set(manager_of(s).kvguard_gate.held_keys())
     assert loads_of(s, d, PROMPT) == 0
 
 

@@ -271,9 +271,9 @@ def test_r_swa_gap_blocks_freed_after_clean_steps_are_not_quarantined(
 def test_hybrid_model_with_the_guarded_offloading_connector(fail: bool, windowed: str) -> None:
     """Stores cover validated blocks only, and the window frees that vLLM makes before
     handing a finished request to the connector quarantine nothing after clean steps."""
+    from .exit_rule import assert_may_leave
     from .harness import connector_output as output
     from .harness import transfer_config
-    from .exit_rule import assert_may_leave
     from .test_offloading import store_blocks
 
     s = make_scheduler(groups=("full", windowed), kv_transfer_config=transfer_config())

@@ -120,6 +120,11 @@ class _Frontier:
     built again (a request preempted and resumed) holds another block there, or the
     same one handed out again."""
     last_generation: int
+    end: int
+    """How far both lists reached when verified (``n == end``: all of it verified),
+    and below their lengths then."""
+    end_blocks: int
+    end_hashes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,9 +232,24 @@ class ExitGate:
         records = pool.blocks
         epoch = self._exit_epoch()
         known = self._frontiers.get((request_id, group_id))
+        if (
+            known is not None
+            and known.n == known.end >= start
+            and known.epoch == epoch
+            and known.source is request_hashes
+            and known.end_blocks == len(block_ids)
+            and known.end_hashes == len(known.hashes)
+            and held
+            and known.last >= 0
+            and block_ids[known.n - 1] == known.last
+            and records[known.last].generation == known.last_generation
+        ):
+            # Every block both lists held was verified, neither list grew, nothing
+            # moved a block back: the answer stands (the common case, a dict lookup).
+            return known.n
         if known is None or known.source is not request_hashes:
             hashes = group_hashes(request_hashes, pool.hash_block_size, block_size)
-            known = _Frontier(start, epoch, request_hashes, hashes, -1, 0)
+            known = _Frontier(start, epoch, request_hashes, hashes, -1, 0, -1, 0, 0)
             self._frontiers[(request_id, group_id)] = known
         n = known.n
         if n > start and (
@@ -254,11 +274,14 @@ class ExitGate:
                 if block.is_null:
                     if not null_passes:
                         break
-                elif not storable_as(block, BlockHash(hashes[n] + suffix)):
+                elif not storable_as(block, hashes[n] + suffix):  # type: ignore[arg-type]
                     break
                 n += 1
         known.n = n
         known.epoch = epoch
+        known.end = end
+        known.end_blocks = len(block_ids)
+        known.end_hashes = len(hashes)
         if 0 < n <= len(block_ids) and not records[block_ids[n - 1]].is_null:
             known.last = block_ids[n - 1]
             known.last_generation = records[known.last].generation

@@ -206,6 +206,22 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
                 limit = tokens
         return max(limit, 0)
 
+    def _kvguard_new_chunks(self, req_status: Any) -> bool:
+        """Whether vLLM may offer a chunk of this request past its chunk pointer: it is
+        finished (its last offer), or a group has a chunk past the pointer with every
+        block allocated and its offload key made -- vLLM's own bound
+        (``storable_chunks``: min of the chunks offloadable, allocated and keyed). Most
+        running requests have none at most steps (a decode fills one block over many),
+        and need no clamp: nothing to ask the gate."""
+        if req_status.req.is_finished():
+            return True
+        blocks_per_chunk = self.config.blocks_per_chunk
+        for group_state in req_status.group_states:
+            allocated = len(group_state.block_ids) // blocks_per_chunk
+            if min(allocated, len(group_state.offload_keys)) > group_state.next_stored_chunk_idx:
+                return True
+        return False
+
     def _kvguard_hold_back_hits(self, req_status: Any, limit: int) -> int:
         """``limit`` for a request whose storable blocks past vLLM's chunk pointer are
         all prefix-cache hits: while it is running, nothing, until its own first blocks
@@ -234,13 +250,14 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
         # after.
         statuses = self._req_status
         validated_tokens = self._kvguard_validated_tokens
+        new_chunks = self._kvguard_new_chunks
         clamped: list[tuple[Any, int | None]] = []
         try:
             for req_id in chain(
                 scheduler_output.num_scheduled_tokens, scheduler_output.finished_req_ids or ()
             ):
                 req_status = statuses.get(req_id)
-                if req_status is None:
+                if req_status is None or not new_chunks(req_status):
                     continue
                 limit = validated_tokens(req_id, req_status)
                 if limit <= req_status.num_locally_computed_tokens:
