@@ -84,7 +84,9 @@ class RequestSteps:
         Validated full blocks that were waiting for their token ids to be hashed are
         published now; returns their ids.
         """
-        rec = self._core.record(request_id)
+        rec = self._requests.get(request_id) if type(request_id) is str else None
+        if rec is None:
+            rec = self._core.record(request_id)  # raises UnknownRequestError
         rec.token_ids.extend(arguments.token_array(token_ids))
         return self._publish_ready(rec)
 
@@ -251,12 +253,16 @@ class RequestSteps:
         blocks; those that need zeroing are queued for ``take_blocks_to_zero``.
         Raises :class:`OutOfBlocksError` (changing nothing) when blocks run out.
         """
-        rec = self._core.live_record(request_id)
+        rec = self._requests.get(request_id) if type(request_id) is str else None
+        if rec is None or rec.aborted:
+            rec = self._core.live_record(request_id)  # raises: unknown, or aborted
         if type(num_tokens) is not int or num_tokens < rec.num_written:
             num_tokens = self._check_total(rec, num_tokens)
         if hit is not None:
             hit = self._check_hit(rec, hit)
             self._check_hit_total(num_tokens, hit)
+        elif -(-num_tokens // self._block_size) <= len(rec.blocks):
+            return ()  # (most decode steps: the last block has room)
         short = self._blocks_short(rec, num_tokens, hit)
         if short > 0:
             need = _cdiv(num_tokens, self._block_size) - len(rec.blocks)
@@ -268,7 +274,7 @@ class RequestSteps:
             rec.num_written = rec.num_validated = hit.num_tokens
             rec.publish_cursor = len(hit.block_ids)
         need = _cdiv(num_tokens, self._block_size) - len(rec.blocks)
-        if need <= 0:  # (most decode steps: the last block has room)
+        if need <= 0:  # (the hit covers the request)
             return ()
         new = kernel.allocate(need, False, False)
         rec.blocks.extend(new)
@@ -280,7 +286,9 @@ class RequestSteps:
         The blocks it touches become WRITTEN: not matchable, not storable, until
         :meth:`validate_step` confirms this step. Returns the step's token range.
         """
-        rec = self._core.live_record(request_id)
+        rec = self._requests.get(request_id) if type(request_id) is str else None
+        if rec is None or rec.aborted:
+            rec = self._core.live_record(request_id)  # raises: unknown, or aborted
         if type(num_tokens) is not int or num_tokens < 1:
             num_tokens = self._check_step(rec, num_tokens)
         size = self._block_size
@@ -348,9 +356,14 @@ class RequestSteps:
     def validate_step(self, request_id: str) -> StepResult:
         """The request's oldest in-flight step passed: its blocks become VALIDATED, and
         full hashed ones PUBLISHED (a ``BlockStored`` event is emitted now)."""
-        rec, end = self._next_result(request_id, "validate")
-        if end is None:
-            return self._discard(rec)
+        rec = self._requests.get(request_id) if type(request_id) is str else None
+        if rec is None or not rec.pending or rec.discarded or rec.aborted:
+            rec, next_end = self._next_result(request_id, "validate")
+            if next_end is None:
+                return self._discard(rec)
+            end = next_end
+        else:
+            end = rec.pending.popleft()  # (_next_result's common case)
         start = rec.num_validated
         rec.num_validated = end
         size = self._block_size
