@@ -1210,10 +1210,11 @@ class SimpleCpuTier:
         cpu_pool = m.cpu_block_pool
         pinned = [b.block_id for b in cpu_pool.blocks if b.ref_cnt and not b.is_null]
         assert not pinned, f"CPU blocks still referenced after the trace: {pinned}"
-        lookup = cpu_pool.cached_block_hash_to_block.get_one_block
-        for key in m._kvguard_stored:
-            assert lookup(key) is not None, f"kvguard records a copy the tier dropped: {key!r}"
-        return len(m._kvguard_stored)
+        recorded = m.kvguard_gate.recorded()  # CPU block -> the key it holds
+        for cpu_block_id, keys in recorded.items():
+            held = cpu_pool.blocks[cpu_block_id].block_hash
+            assert keys == (held,), f"kvguard records a copy the tier dropped: {keys!r}"
+        return len(recorded)
 
 
 class SharedStorage:

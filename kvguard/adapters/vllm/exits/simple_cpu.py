@@ -12,28 +12,32 @@ carry out the block lists they are sent and report each store event done. It pic
   has a hash;
 * boundary states the KV cache manager hands off (Mamba).
 
-This subclass changes the scheduler side only; workers run vLLM's code unchanged.
+This subclass changes the scheduler side only; workers run vLLM's code unchanged. It
+is a thin adapter from vLLM's hooks to kvguard's exit gate
+(:class:`~kvguard.adapters.vllm.exits.gate.ExitGate`), and reads no block record itself.
 
 * **Stores copy validated blocks only.** In eager mode each request's blocks are cut,
-  for vLLM's selection, at the first block past its store cursor that kvguard does not
-  hold as VALIDATED/PUBLISHED/OFFLOADED *with this request's hash at that position*:
-  vLLM's cursor waits there, so a block is offered at the first step after the step
-  that filled it validated (vLLM's own selection, finding it unhashed on kvguard's
-  pool, would pass over it for good), and a block a failed or never-validated step
-  wrote is never offered, not even when its request finishes. Lazy mode walks kvguard's free queue
-  (:class:`~kvguard.adapters.vllm.pool.block_pool.KvGuardFreeQueue`), where only published
-  blocks carry a hash.
-* **One ``StoreTicket`` per copied block** (``BlockPool.begin_store``) when a store
-  event is built, whatever chose the block; a block kvguard refuses (quarantined or
-  invalidated since it was picked) is taken out of the event before any worker sees it.
-* **Completions go through ``ack_store``.** When every worker reported a store event
-  done, each block's ticket is acknowledged; a block whose ticket the core rejects
+  for vLLM's selection, at the gate's validated frontier (the first block past its
+  store cursor that may not leave as this request's block at that position): vLLM's
+  cursor waits there, so a block is offered at the first step after the step that
+  filled it validated (vLLM's own selection, finding it unhashed on kvguard's pool,
+  would pass over it for good), and a block a failed or never-validated step wrote is
+  never offered, not even when its request finishes. Lazy mode walks kvguard's free
+  queue (:class:`~kvguard.adapters.vllm.pool.block_pool.KvGuardFreeQueue`), where only
+  published blocks carry a hash; the blocks it copied go back to the eviction end
+  (vLLM's ``evict_first``, which kvguard's pool honours), as in stock vLLM.
+* **One ticket per copied block** (the gate's, opened when a store event is built,
+  whatever chose the block); a block the gate refuses (quarantined or invalidated
+  since it was picked) is taken out of the event before any worker sees it.
+* **Completions are settled with the gate.** When every worker reported a store event
+  done, each block's copy is settled; a block whose ticket the core rejects
   (quarantined, invalidated or reused since the copy began) is not registered in the
   CPU tier's prefix cache: its CPU block goes back unhashed, so the copy never becomes
   loadable.
 * A cache reset fails the tickets of the events it abandons.
-* **kvguard's record of tier copies follows the tier**: a copy the CPU pool evicts, or
-  drops in a reset, is withdrawn (``forget_tier_copy``).
+* **kvguard's record of tier copies follows the tier**: the gate records each copy by
+  its CPU block; one the CPU pool evicts, or drops in a reset, is forgotten (and the
+  core's record of its hash withdrawn once no other CPU block holds it).
 * **Invalidated copies are purged** (:mod:`kvguard.adapters.vllm.exits.tier_purge`): bound to
   kvguard's pool, the connector registers a purger for its tier, which drops each
   invalidated hash's CPU block from the CPU pool's prefix cache (``evict_blocks``: a
@@ -58,7 +62,7 @@ class directly needs an explicit ``num_cpu_blocks``, or the scheduler refuses to
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvguard.adapters.vllm._compat import (
     require_supported_vllm,
@@ -71,7 +75,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector i
     SimpleCPUOffloadConnector,
 )
 from vllm.logger import init_logger  # noqa: E402
-from vllm.v1.core.kv_cache_utils import resolve_block_hashes  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, RSWASpec  # noqa: E402
 from vllm.v1.simple_kv_offload.manager import (  # noqa: E402
     SimpleCPUOffloadScheduler,
     TransferMeta,
@@ -79,12 +83,13 @@ from vllm.v1.simple_kv_offload.manager import (  # noqa: E402
 from vllm.v1.simple_kv_offload.metadata import INVALID_JOB_ID  # noqa: E402
 
 from kvguard.adapters.vllm.config import GuardConfigError  # noqa: E402
+from kvguard.adapters.vllm.exits.gate import ExitGate  # noqa: E402
 from kvguard.adapters.vllm.metrics import CONNECTOR_HELP  # noqa: E402
-from kvguard.adapters.vllm.pool.block_pool import GuardedBlockPool, group_suffix  # noqa: E402
-from kvguard.errors import NotStorableError  # noqa: E402
 from kvguard.hashing import BlockHash  # noqa: E402
 from kvguard.results import StoreTicket  # noqa: E402
-from kvguard.states import STORABLE_STATES  # noqa: E402
+
+if TYPE_CHECKING:
+    from kvguard.adapters.vllm.pool.block_pool import GuardedBlockPool
 
 logger = init_logger(f"vllm.{__name__}")
 """Under vLLM's logger, as the scheduler's: vLLM's handler, format and level apply."""
@@ -97,7 +102,9 @@ STOCK_NAME = "SimpleCPUOffloadConnector"
 
 
 class GuardedSimpleCPUOffloadScheduler(SimpleCPUOffloadScheduler):
-    """The scheduler side of :class:`GuardedSimpleCPUOffloadConnector`.
+    """The scheduler side of :class:`GuardedSimpleCPUOffloadConnector`: vLLM's hooks
+    translated to kvguard's exit gate (:attr:`kvguard_gate`, whose copies are the CPU
+    tier's blocks, by CPU block id).
 
     vLLM's connector builds a ``SimpleCPUOffloadScheduler`` from settings it parses
     itself (differently in each series); :meth:`kvguard_adopt` makes that object this
@@ -114,102 +121,107 @@ class GuardedSimpleCPUOffloadScheduler(SimpleCPUOffloadScheduler):
     report no failed stores).
     """
 
-    _kvguard_tickets: dict[int, list[StoreTicket]]
-    _kvguard_stored: set[BlockHash]
+    kvguard_gate: ExitGate
     kvguard_counters: dict[str, int]
+    _kvguard_tickets: dict[int, list[StoreTicket]]
+    _kvguard_groups: tuple[tuple[int, int, bool], ...]
 
     def kvguard_adopt(self) -> None:
         """Set up kvguard's state on a manager vLLM built (see the class doc)."""
+        self.kvguard_gate = ExitGate(TIER, CONNECTOR_HELP)
+        self.kvguard_counters = self.kvguard_gate.counters
         # Store event -> the tickets of the GPU blocks it copies, index-parallel with
         # its TransferMeta.gpu_block_ids.
         self._kvguard_tickets = {}
-        # Hashes kvguard records a copy of in this tier: what to withdraw when the CPU
-        # pool evicts them (the record stays the tier's size).
-        self._kvguard_stored = set()
-        self.kvguard_counters = dict.fromkeys(CONNECTOR_HELP, 0)
+        # Per group eager mode stores: its id, block size, and whether a request holds
+        # its blocks while it runs (full attention; a window's leave it, their ids
+        # staying in the connector's table).
+        groups = self.cpu_kv_cache_config.kv_cache_groups
+        self._kvguard_groups = tuple(
+            (g, self.group_block_sizes[g], _holds_its_blocks(groups[g].kv_cache_spec))
+            for g in sorted(self.prefix_cacheable_group_ids)
+        )
         self._kvguard_observe_cpu_pool()
+        if self._gpu_block_pool is not None:
+            self.kvguard_gate.bind(self._gpu_block_pool, self._kvguard_purge)
 
     def kvguard_pool(self) -> GuardedBlockPool | None:
         """kvguard's pool under the scheduler, or None (vLLM's own pool: stock vLLM or
         the guard off; the connector is then vLLM's own). The guarded scheduler binds
         the connector to kvguard's pool after it replaced vLLM's."""
-        pool = self._gpu_block_pool
-        return pool if isinstance(pool, GuardedBlockPool) else None
+        return self.kvguard_gate.pool
 
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         super().bind_gpu_block_pool(gpu_block_pool)
-        if isinstance(gpu_block_pool, GuardedBlockPool):
-            gpu_block_pool.tier_purgers.add(TIER, self._kvguard_purge)
+        gate = getattr(self, "kvguard_gate", None)  # (vLLM binds before kvguard_adopt)
+        if gate is not None:
+            gate.bind(gpu_block_pool, self._kvguard_purge)
 
     # ------------------------------------------------------------------ store selection
 
     def _select_eager_blocks_to_store(
         self, state: Any, block_ids_by_group: tuple[list[int], ...]
     ) -> Any:
-        pool = self.kvguard_pool()
-        if pool is not None:
-            block_ids_by_group = self._kvguard_validated_prefix(pool, state, block_ids_by_group)
-        return super()._select_eager_blocks_to_store(state, block_ids_by_group)
-
-    def _kvguard_validated_prefix(
-        self, pool: GuardedBlockPool, state: Any, block_ids_by_group: tuple[list[int], ...]
-    ) -> tuple[list[int], ...]:
-        """Each group's block ids, cut at the first block past the request's store
-        cursor that kvguard does not hold as VALIDATED or later carrying this request's
-        hash for its position (unvalidated, quarantined, or reused for other tokens).
-        vLLM selects from the cut lists, so its cursor stops there instead of passing
-        over the block. Null blocks (outside a window) are left to vLLM, which stores
-        the cached block of that position, if any: kvguard's index holds published
-        blocks only."""
-        records = pool.blocks
-        request_hashes = state.request.block_hashes
-        hash_block_size = self.hash_block_size
-        out: list[list[int]] = []
-        for group_id, block_ids in enumerate(block_ids_by_group):
-            if group_id not in self.prefix_cacheable_group_ids:
-                out.append(block_ids)
-                continue
-            block_size = self.group_block_sizes[group_id]
-            hashes = (
-                request_hashes
-                if block_size == hash_block_size
-                else resolve_block_hashes(request_hashes, hash_block_size, block_size)
+        # Each group's block ids, cut at the gate's validated frontier: vLLM selects
+        # from the cut lists, so its store cursor waits there instead of passing over
+        # a block not validated yet, which it offers at the first step after its step
+        # validated. Null blocks (a window's freed positions) pass: vLLM stores the
+        # cached block of that position, if any (kvguard's index holds published
+        # blocks only).
+        gate = self.kvguard_gate
+        if gate.pool is None:
+            return super()._select_eager_blocks_to_store(state, block_ids_by_group)
+        request = state.request
+        req_id = request.request_id
+        hashes = request.block_hashes
+        stored = state.num_stored_blocks
+        cut = list(block_ids_by_group)
+        for group_id, block_size, held in self._kvguard_groups:
+            block_ids = cut[group_id]
+            n = gate.frontier(
+                req_id,
+                group_id,
+                block_ids,
+                hashes,
+                block_size,
+                min(stored[group_id], len(block_ids)),
+                null_passes=True,
+                held=held,
             )
-            suffix = group_suffix(group_id)
-            end = min(len(block_ids), len(hashes))
-            n = min(state.num_stored_blocks[group_id], end)
-            while n < end:
-                block = records[block_ids[n]]
-                if not block.is_null and (
-                    block.state not in STORABLE_STATES or block.block_hash != hashes[n] + suffix
-                ):
-                    break
-                n += 1
-            out.append(block_ids[:n])
-        return tuple(out)
+            if n < len(block_ids):
+                cut[group_id] = block_ids[:n]
+        return super()._select_eager_blocks_to_store(state, tuple(cut))
+
+    # Lazy mode: vLLM walks the GPU pool's free queue, kvguard's
+    # (:class:`~kvguard.adapters.vllm.pool.block_pool.KvGuardFreeQueue`), where only
+    # published blocks carry a hash; the gate's ticket at admission is the check.
 
     # ------------------------------------------------------------------ store admission
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         meta = super().build_connector_meta(scheduler_output)
-        pool = self.kvguard_pool()
-        if pool is not None and meta.store_event != INVALID_JOB_ID:
-            self._kvguard_admit(pool, meta)
+        gate = self.kvguard_gate
+        if gate.pool is not None:
+            if meta.store_event != INVALID_JOB_ID:
+                self._kvguard_admit(meta)
+            if gate.num_frontiers() > 2 * len(self._kvguard_groups) * len(self._reqs_to_store) + 64:
+                gate.forget_requests(self._reqs_to_store)  # (amortized: requests gone since)
         return meta
 
-    def _kvguard_admit(self, pool: GuardedBlockPool, meta: Any) -> None:
+    def _kvguard_admit(self, meta: Any) -> None:
         """A ticket per GPU block of the step's store event; blocks kvguard refuses
         leave the event before it reaches a worker (an event left empty is dropped)."""
         event = meta.store_event
         transfer = self._store_event_to_blocks[event]
-        begin_store = pool.core.begin_store
+        gate = self.kvguard_gate
         tickets: list[StoreTicket] = []
         refused: list[int] = []
         for index, block_id in enumerate(transfer.gpu_block_ids):
-            try:
-                tickets.append(begin_store(block_id, TIER))
-            except NotStorableError:
+            ticket = gate.open(block_id)
+            if ticket is None:
                 refused.append(index)
+            else:
+                tickets.append(ticket)
         if refused:
             logger.warning(
                 "kvguard: store event %d copies block(s) %s, which are not validated "
@@ -223,11 +235,11 @@ class GuardedSimpleCPUOffloadScheduler(SimpleCPUOffloadScheduler):
             meta.store_cpu_blocks = transfer.cpu_block_ids
         if transfer.gpu_block_ids:
             self._kvguard_tickets[event] = tickets
-            self.kvguard_counters["offload_store_jobs"] += 1
+            gate.count("offload_store_jobs")
             return
         self._kvguard_drop_event(event)
         meta.store_event = INVALID_JOB_ID
-        self.kvguard_counters["offload_store_jobs_cancelled"] += 1
+        gate.count("offload_store_jobs_cancelled")
 
     def _kvguard_take_out(self, transfer: Any, indices: Iterable[int]) -> None:
         """Remove the blocks at ``indices`` from a store event (in place) and give back
@@ -266,31 +278,23 @@ class GuardedSimpleCPUOffloadScheduler(SimpleCPUOffloadScheduler):
 
     def _process_store_event(self, event_idx: int) -> None:
         # Every worker finished the event: before vLLM registers its copies in the CPU
-        # tier, each block's ticket is acknowledged.
+        # tier, each block's copy is settled with the gate.
         tickets = self._kvguard_tickets.pop(event_idx, None)
         transfer = self._store_event_to_blocks.get(event_idx)
-        pool = self.kvguard_pool()
-        if tickets is not None and transfer is not None and pool is not None:
-            self._kvguard_acknowledge(pool, transfer, tickets)
+        if tickets is not None and transfer is not None and self.kvguard_gate.pool is not None:
+            self._kvguard_acknowledge(transfer, tickets)
         super()._process_store_event(event_idx)
 
-    def _kvguard_acknowledge(
-        self, pool: GuardedBlockPool, transfer: Any, tickets: list[StoreTicket]
-    ) -> None:
-        """Acknowledge each copied block's ticket; a block whose ticket the core rejects
-        leaves the event, so vLLM does not register its copy."""
-        ack = pool.core.ack_store
-        stored = self._kvguard_stored
-        late: list[int] = []
-        for index, ticket in enumerate(tickets):
-            if ack(ticket):
-                stored.add(ticket.block_hash)
-            else:
-                late.append(index)
-        counters = self.kvguard_counters
-        counters["offload_chunks_stored"] += len(tickets) - len(late)
+    def _kvguard_acknowledge(self, transfer: Any, tickets: list[StoreTicket]) -> None:
+        """Settle each copied block with the gate (the tier's copy: its CPU block); a
+        block whose copy came too late leaves the event, so vLLM does not register it."""
+        gate = self.kvguard_gate
+        settle = gate.settle
+        cpu_block_ids = transfer.cpu_block_ids
+        late = [i for i, ticket in enumerate(tickets) if not settle(cpu_block_ids[i], (ticket,))]
+        gate.count("offload_chunks_stored", len(tickets) - len(late))
         if late:
-            counters["offload_chunks_discarded"] += len(late)
+            gate.count("offload_chunks_discarded", len(late))
             self._kvguard_take_out(transfer, late)
 
     # ------------------------------------------------------------------ cache reset
@@ -298,11 +302,8 @@ class GuardedSimpleCPUOffloadScheduler(SimpleCPUOffloadScheduler):
     def reset(self) -> bool:
         # vLLM abandons the store events in flight (their completions only release the
         # blocks): their tickets fail.
-        pool = self.kvguard_pool()
-        if pool is not None:
-            for tickets in self._kvguard_tickets.values():
-                for ticket in tickets:
-                    pool.core.fail_store(ticket)
+        for tickets in self._kvguard_tickets.values():
+            self.kvguard_gate.fail(tickets)
         self._kvguard_tickets.clear()
         return bool(super().reset())
 
@@ -311,78 +312,58 @@ class GuardedSimpleCPUOffloadScheduler(SimpleCPUOffloadScheduler):
     def _kvguard_observe_cpu_pool(self) -> None:
         """The CPU tier is a vLLM ``BlockPool`` of its own. Every copy it drops leaves
         through ``_remove_cached_block_hashes`` (eviction to make room, ``evict_blocks``)
-        or ``reset_prefix_cache``; both are observed, so that kvguard's record of tier
-        copies names only what the tier holds."""
+        or ``reset_prefix_cache``; both are observed, so that the gate's record of tier
+        copies names only the CPU blocks that hold one."""
         cpu_pool = self.cpu_block_pool
         remove_hashes = cpu_pool._remove_cached_block_hashes
         reset_prefix_cache = cpu_pool.reset_prefix_cache
+        gate = self.kvguard_gate
 
         def observed_remove(block: Any) -> Any:
             removed = remove_hashes(block)
-            if removed and self._kvguard_stored:
-                lookup = cpu_pool.cached_block_hash_to_block.get_one_block
-                gone = self._kvguard_forget([h for h in removed if lookup(h) is None])
-                self.kvguard_counters["offload_chunks_evicted"] += gone
+            if removed and gate.holds(block.block_id):
+                gate.count("offload_chunks_evicted", gate.forget((block.block_id,)))
             return removed
 
         def observed_reset() -> Any:
             done = reset_prefix_cache()
             if done:
-                self._kvguard_forget(list(self._kvguard_stored))
+                gate.forget(gate.copies())
             return done
 
         cpu_pool._remove_cached_block_hashes = observed_remove
         cpu_pool.reset_prefix_cache = observed_reset
 
-    def _kvguard_forget(self, hashes: Iterable[Any]) -> int:
-        """The CPU tier no longer holds these hashes: withdraw kvguard's record of
-        them. Returns how many it recorded."""
-        stored = self._kvguard_stored
-        pool = self.kvguard_pool()
-        forgotten = 0
-        for block_hash in hashes:
-            if block_hash not in stored:
-                continue
-            stored.discard(block_hash)
-            forgotten += 1
-            if pool is not None:
-                pool.core.forget_tier_copy(TIER, block_hash)
-        return forgotten
-
     def _kvguard_purge(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
         """The tier's purger (:mod:`kvguard.adapters.vllm.exits.tier_purge`): drop the CPU
         blocks holding ``hashes`` (kvguard's keys, the CPU pool's too) from the CPU
-        pool's prefix cache; returns the hashes whose copy was dropped. A block a load
-        is reading keeps its bytes until the load releases it, unhashed: no lookup
-        finds it meanwhile, and its space is free after."""
-        stored = self._kvguard_stored
-        cpu_pool = self.cpu_block_pool
-        lookup = cpu_pool.cached_block_hash_to_block.get_one_block
-        purged: list[BlockHash] = []
-        evicted = 0
-        for block_hash in hashes:
-            if block_hash not in stored:
-                continue
-            # (The core dropped its record itself, when it invalidated the hash.)
-            stored.discard(block_hash)
-            # The tier may hold several copies of a hash (a duplicate stored while the
-            # first copy was in flight): every one goes.
-            copies = 0
-            for _ in range(cpu_pool.num_gpu_blocks):
-                block = lookup(block_hash)
-                if block is None:
-                    break
-                cpu_pool.evict_blocks({block.block_id})
-                copies += 1
-            if copies:
-                purged.append(block_hash)
-                evicted += copies
-        self.kvguard_counters["offload_chunks_purged"] += evicted
-        return purged
+        pool's prefix cache; returns the hashes whose copy was dropped. The tier may
+        hold several copies of a hash (a duplicate stored while the first copy was in
+        flight): every one goes. A block a load is reading keeps its bytes until the
+        load releases it, unhashed: no lookup finds it meanwhile, and its space is free
+        after."""
+        gate = self.kvguard_gate
+        holding = gate.copies_holding(hashes)
+        if not holding:
+            return []
+        wanted = set(hashes)
+        # (The core dropped its record of ``hashes`` itself, when it invalidated them;
+        # forgotten before the eviction, which the observer would count as one.)
+        gate.forget(holding)
+        self.cpu_block_pool.evict_blocks(set(holding))
+        gate.count("offload_chunks_purged", len(holding))
+        return list(dict.fromkeys(h for held in holding.values() for h in held if h in wanted))
 
     def kvguard_in_flight(self) -> dict[int, tuple[int, ...]]:
         """Store event -> the GPU blocks of the events whose acknowledgement is due."""
         return {event: tuple(t.block_id for t in ts) for event, ts in self._kvguard_tickets.items()}
+
+
+def _holds_its_blocks(spec: Any) -> bool:
+    """Whether a request holds every block of a group with this KV cache spec while it
+    runs: full attention (a window, R-SWA's gaps, a local chunk or a Mamba state free
+    blocks behind it)."""
+    return isinstance(spec, FullAttentionSpec) and not isinstance(spec, RSWASpec)
 
 
 class GuardedSimpleCPUOffloadConnector(SimpleCPUOffloadConnector):
