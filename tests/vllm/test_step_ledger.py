@@ -121,3 +121,15 @@ def test_a_request_preempted_while_its_step_is_scheduled_keeps_nothing_of_it() -
     record = ledger.seal(token, {"high": 16})
     assert record.fills == {"high": [3]}
     assert "low" in record.dropped
+
+
+def test_the_pools_outbox_is_noted_in_order() -> None:
+    """``note_cached``: what the pool's outbox held, as :meth:`note` / :meth:`hold` would
+    note it one entry at a time -- into the step being scheduled, or by the rule."""
+    ledger = StepLedger(settles=lambda request_id, num_tokens: num_tokens <= 16)
+    ledger.open()
+    ledger.note_cached([("a", [1, 2], 32, False), ("b", [3], 16, False), ("a", [4], 48, False)])
+    ledger.note_cached([("a", [4], 48, True), ("b", [5], 32, True)])
+    assert ledger.seal(object(), {"a": 48, "b": 32}).fills == {"a": [1, 2, 4], "b": [3, 5]}
+    ledger.note_cached([("a", [6], 16, False), ("b", [7], 32, False), ("b", [7], 32, True)])
+    assert ledger.settled == [6] and ledger.noted.fills == {"b": [7]}

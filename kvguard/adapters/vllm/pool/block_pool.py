@@ -206,8 +206,10 @@ class GuardedBlockPool(BlockPool):
         self.held_events: dict[int, BlockStoredArgs] = {}
         """With vLLM's KV events on: block id -> what vLLM's ``BlockStored`` event is
         built from once the held block is published."""
-        self._cached: list[CachedFill] = []
-        self._copies: list[CachedCopy] = []
+        # The outbox (read it, never change it, outside the pool: take_cached and
+        # take_copies drain it).
+        self.cached_fills: list[CachedFill] = []
+        self.cached_copies: list[CachedCopy] = []
         self.window_frees = window_frees
         core = KvGuardPool(
             self.num_gpu_blocks,
@@ -268,9 +270,9 @@ class GuardedBlockPool(BlockPool):
     def take_cached(self) -> list[CachedFill]:
         """What vLLM cached since the last call (:data:`CachedFill`, in call order):
         the blocks a step in flight fills, their publications held in :attr:`pending`."""
-        cached = self._cached
+        cached = self.cached_fills
         if cached:
-            self._cached = []
+            self.cached_fills = []
         return cached
 
     def take_copies(self) -> list[CachedCopy]:
@@ -278,10 +280,10 @@ class GuardedBlockPool(BlockPool):
         (:meth:`move_block_hashes`) and whose copy is still held: each is published
         (:meth:`validate_fills`) if every step that computed the state it copies was
         counted clean, else its entry withdrawn (:meth:`withdraw`)."""
-        copies = self._copies
+        copies = self.cached_copies
         if not copies:
             return copies
-        self._copies = []
+        self.cached_copies = []
         pending = self.pending
         return [copy for copy in copies if copy[1] in pending]  # (not released since)
 
@@ -400,7 +402,7 @@ class GuardedBlockPool(BlockPool):
                 filled,
             )
         if filled:
-            self._cached.append((owner, filled, num_full_blocks * block_size, False))
+            self.cached_fills.append((owner, filled, num_full_blocks * block_size, False))
             if self.tails:  # a full block's key replaces an entry inside it
                 for block_id in filled:
                     self.tails.pop(block_id, None)
@@ -600,7 +602,7 @@ class GuardedBlockPool(BlockPool):
         if evict_first:
             self.core.block_steps.evict_first(ids)
         pending = self.pending
-        if pending:
+        if pending and not pending.keys().isdisjoint(ids):
             # What is held for a block dies with its last reference (the block may be
             # reused: its next owner's fill holds its own).
             blocks = self.blocks
@@ -796,7 +798,7 @@ class GuardedBlockPool(BlockPool):
         if replace_existing_hashes or num_tokens % block_size == 0:
             block.num_hash_tokens = num_tokens
             self.pending[block_id] = publication
-            self._cached.append((request.request_id, [block_id], num_tokens, True))
+            self.cached_fills.append((request.request_id, [block_id], num_tokens, True))
         else:
             on_release = kv_cache_group_id not in self.state_groups
             self.tails[block_id] = TailEntry(publication, num_tokens, on_release)
@@ -846,7 +848,7 @@ class GuardedBlockPool(BlockPool):
             dst_id = dst_block.block_id
             dst_block.num_hash_tokens = entry.num_tokens
             self.pending[dst_id] = entry.publication
-            self._copies.append((entry.publication[2], dst_id, entry.num_tokens))
+            self.cached_copies.append((entry.publication[2], dst_id, entry.num_tokens))
 
     def unpin_blocks(self, blocks: Iterable[KVCacheBlock], on_reuse: Any) -> None:
         raise GuardModeUnsupported("unpin_blocks (read-until-reuse) in guarded mode")

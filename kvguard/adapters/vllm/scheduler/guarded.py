@@ -351,17 +351,11 @@ class _StepVerdict(_GuardStartUp):
         ``scheduled``: after vLLM scheduled a step, its tokens per request, which vLLM
         counts as computed already (the copies were made before it did)."""
         pool = self.kvguard_pool
-        cached = pool.take_cached()
-        copies = pool.take_copies()
-        if not (cached or copies):
-            return
+        if not (pool.cached_fills or pool.cached_copies):
+            return  # (the common case: a read of the outbox, no call)
         ledger = self._kvguard_ledger
-        for owner, block_ids, num_tokens, once in cached:
-            if once:
-                ledger.hold(owner, block_ids[0], num_tokens)
-            else:
-                ledger.note(owner, block_ids, num_tokens)
-        for owner, block_id, num_tokens in copies:
+        ledger.note_cached(pool.take_cached())
+        for owner, block_id, num_tokens in pool.take_copies():
             ahead = scheduled.get(owner, 0) if scheduled else 0
             if self._kvguard_fill_settled(owner, num_tokens + ahead):
                 pool.validate_fills([block_id])

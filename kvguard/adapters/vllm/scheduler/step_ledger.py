@@ -38,7 +38,7 @@ after a clean step.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from kvguard.errors import ConsistencyError
@@ -113,6 +113,29 @@ class StepLedger:
             self.settled += block_ids
         else:
             self.noted.fills.setdefault(request_id, []).extend(block_ids)
+
+    def note_cached(self, cached: Iterable[tuple[str, list[int], int, bool]]) -> None:
+        """:meth:`note` (or, for a one-block entry, :meth:`hold`) what the pool's outbox
+        held, in order: (request id, block ids, tokens, once) each. While a step is
+        being scheduled -- the common case -- the blocks' lists become the step's own."""
+        step = self.scheduling
+        if step is None:
+            for request_id, block_ids, num_tokens, once in cached:
+                if once:
+                    self.hold(request_id, block_ids[0], num_tokens)
+                else:
+                    self.note(request_id, block_ids, num_tokens)
+            return
+        fills = step.fills
+        for request_id, block_ids, num_tokens, once in cached:
+            if once:
+                self.hold(request_id, block_ids[0], num_tokens)
+                continue
+            held = fills.get(request_id)
+            if held is None:
+                fills[request_id] = block_ids
+            else:
+                held += block_ids
 
     def hold(self, request_id: str, block_id: int, num_tokens: int) -> None:
         """:meth:`note` for one block vLLM registered an entry for, once: a key
