@@ -147,14 +147,17 @@ def _checking(method: Callable[_P, _R], check: Callable[[], None]) -> Callable[_
     return checked
 
 
-def _checked_facade(facade: type[_T], check: Callable[[], None]) -> type[_T]:
-    """A subclass of the façade class ``facade`` whose mutators (``_MUTATORS``) run
-    ``check`` after they return: the pool's methods delegate to its façade objects
-    and hot callers call those directly, so the check sits on the façade."""
+def _facade_class(facade: type[_T], check: Callable[[], None] | None) -> type[_T]:
+    """The façade class ``facade``, or with ``check``, a subclass of it whose mutators
+    (``_MUTATORS``) run ``check`` after they return: the pool's methods delegate to its
+    façade objects and hot callers call those directly, so the check sits on them."""
+    if check is None:
+        return facade
     checked = {
         name: _checking(method, check) for name, method in vars(facade).items() if name in _MUTATORS
     }
-    return cast("type[_T]", type(facade.__name__, (facade,), {"__slots__": (), **checked}))
+    name = f"Checked{facade.__name__}"
+    return cast("type[_T]", type(name, (facade,), {"__slots__": (), **checked}))
 
 
 class BlockPool:
@@ -213,24 +216,14 @@ class BlockPool:
         arguments.flag("check_invariants", check_invariants)
         self._core = core
         self._kernel = core.kernel
-        request_steps, block_steps, tier_gate, recovery = (
-            RequestSteps,
-            BlockSteps,
-            TierGate,
-            Recovery,
-        )
-        if check_invariants:
-            check = self.check_invariants
-            request_steps = _checked_facade(RequestSteps, check)
-            block_steps = _checked_facade(BlockSteps, check)
-            tier_gate = _checked_facade(TierGate, check)
-            recovery = _checked_facade(Recovery, check)
+        check = self.check_invariants if check_invariants else None
+        self._request_steps = _facade_class(RequestSteps, check)(core)
+        self._block_steps = _facade_class(BlockSteps, check)(core)
+        self._tier_gate = _facade_class(TierGate, check)(core)
+        self._recovery = _facade_class(Recovery, check)(core)
+        if check is not None:
             for name in _OWN_MUTATORS:
                 setattr(self, name, _checking(getattr(self, name), check))
-        self._request_steps = request_steps(core)
-        self._block_steps = block_steps(core)
-        self._tier_gate = tier_gate(core)
-        self._recovery = recovery(core)
         self._index_view = MappingProxyType(core.kernel.index)
 
     def __repr__(self) -> str:
