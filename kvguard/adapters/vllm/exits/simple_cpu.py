@@ -162,35 +162,53 @@ class GuardedSimpleCPUOffloadScheduler(SimpleCPUOffloadScheduler):
     def _select_eager_blocks_to_store(
         self, state: Any, block_ids_by_group: tuple[list[int], ...]
     ) -> Any:
-        # Each group's block ids, cut at the gate's validated frontier: vLLM selects
-        # from the cut lists, so its store cursor waits there instead of passing over
-        # a block not validated yet, which it offers at the first step after its step
-        # validated. Null blocks (a window's freed positions) pass: vLLM stores the
-        # cached block of that position, if any (kvguard's index holds published
-        # blocks only).
+        # Called per scheduled request and step. vLLM selects no block past the
+        # request's computed tokens: while every group's store cursor is there already
+        # (a decode step inside a block: most steps), there is nothing to cut.
+        tokens = state.request.num_computed_tokens
+        stored = state.num_stored_blocks
+        for group_id, block_size, _ in self._kvguard_groups:
+            if tokens // block_size > stored[group_id]:
+                block_ids_by_group = self._kvguard_cut(state, block_ids_by_group)
+                break
+        return super()._select_eager_blocks_to_store(state, block_ids_by_group)
+
+    def _kvguard_cut(
+        self, state: Any, block_ids_by_group: tuple[list[int], ...]
+    ) -> tuple[list[int], ...]:
+        """Each group's block ids, cut at the gate's validated frontier: vLLM selects
+        from the cut lists, so its store cursor waits there instead of passing over a
+        block not validated yet, which it offers at the first step after its step
+        validated. Null blocks (a window's freed positions) pass: vLLM stores the
+        cached block of that position, if any (kvguard's index holds published blocks
+        only)."""
         gate = self.kvguard_gate
         if gate.pool is None:
-            return super()._select_eager_blocks_to_store(state, block_ids_by_group)
+            return block_ids_by_group
         request = state.request
-        req_id = request.request_id
         hashes = request.block_hashes
         stored = state.num_stored_blocks
-        cut = list(block_ids_by_group)
+        cut: list[list[int]] | None = None
         for group_id, block_size, held in self._kvguard_groups:
-            block_ids = cut[group_id]
+            block_ids = block_ids_by_group[group_id]
+            start = stored[group_id]
+            if len(block_ids) <= start:
+                continue
             n = gate.frontier(
-                req_id,
+                request.request_id,
                 group_id,
                 block_ids,
                 hashes,
                 block_size,
-                min(stored[group_id], len(block_ids)),
+                start,
                 null_passes=True,
                 held=held,
             )
             if n < len(block_ids):
+                if cut is None:
+                    cut = list(block_ids_by_group)
                 cut[group_id] = block_ids[:n]
-        return super()._select_eager_blocks_to_store(state, tuple(cut))
+        return block_ids_by_group if cut is None else tuple(cut)
 
     # Lazy mode: vLLM walks the GPU pool's free queue, kvguard's
     # (:class:`~kvguard.adapters.vllm.pool.block_pool.KvGuardFreeQueue`), where only
