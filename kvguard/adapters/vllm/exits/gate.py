@@ -331,7 +331,7 @@ class ExitGate:
         """A ticket for copying block ``block_id`` to the tier, or None if kvguard
         refuses it (not VALIDATED or later, or unhashed). Needs a bound gate."""
         try:
-            return self._bound().core.begin_store(block_id, self.tier)
+            return self._bound().core.tier_gate.begin_store(block_id, self.tier)
         except NotStorableError:
             return None
 
@@ -339,30 +339,33 @@ class ExitGate:
         """Tickets for every block but the null block (a window's freed position: not
         copied), or -- if kvguard refuses one -- that block's id, with the tickets
         opened before it failed."""
-        records = self._bound().blocks
+        pool = self._bound()
+        records = pool.blocks
+        begin_store = pool.core.tier_gate.begin_store
+        tier = self.tier
         tickets: list[StoreTicket] = []
         for block_id in block_ids:
             if records[block_id].is_null:
                 continue
-            ticket = self.open(block_id)
-            if ticket is None:
+            try:
+                tickets.append(begin_store(block_id, tier))
+            except NotStorableError:
                 self.fail(tickets)
                 return block_id
-            tickets.append(ticket)
         return tickets
 
     def ack(self, ticket: StoreTicket) -> bool:
         """The copy of one block completed: True if kvguard registers it as a tier
         copy, False if it came too late (the block was quarantined, invalidated or
         reused since the copy began): the tier must discard it."""
-        return self._bound().core.ack_store(ticket)
+        return self._bound().core.tier_gate.ack_store(ticket)
 
     def fail(self, tickets: Iterable[StoreTicket]) -> None:
         """These copies failed or were abandoned: none becomes a tier copy."""
         pool = self._pool
         if pool is None:
             return
-        fail_store = pool.core.fail_store
+        fail_store = pool.core.tier_gate.fail_store
         for ticket in tickets:
             fail_store(ticket)
 
@@ -371,7 +374,7 @@ class ExitGate:
         acknowledge each ticket. True: the copy is recorded (:meth:`record`). False:
         one came too late, and the copy goes as a whole -- the tier must discard it;
         its other blocks' records are withdrawn."""
-        core = self._bound().core
+        core = self._bound().core.tier_gate  # (the façade itself: one call less per block)
         ack = core.ack_store
         acks = [ack(ticket) for ticket in tickets]
         if False not in acks:
@@ -443,7 +446,7 @@ class ExitGate:
                 continue
             holders.pop(key, None)
             if pool is not None:
-                pool.core.forget_tier_copy(self.tier, key)
+                pool.core.tier_gate.forget_tier_copy(self.tier, key)
 
     # ------------------------------------------------------------------ counters
 

@@ -4,12 +4,15 @@ vLLM's connector picks its store jobs while a step is being *scheduled*
 (``_build_store_jobs``), from ``num_computed_tokens + num_scheduled_tokens``: the step
 being scheduled has not run yet, so stock vLLM copies KV to the CPU tier before anyone
 knows whether it is finite (and, at a request's end, up to ``num_tokens - 1`` even if
-the request failed). This subclass changes the scheduler side only; workers run vLLM's
-code unchanged.
+the request failed). This subclass changes the scheduler side only, as a thin adapter
+from vLLM's hooks to kvguard's exit gate (:mod:`.gate`: the rule, the tickets, the
+record of the tier's chunks, the purge registration and the counters); workers run
+vLLM's code unchanged.
 
 * **Store jobs cover validated blocks only.** Before vLLM builds the step's store jobs,
-  the offloadable range of each request is clamped to its leading blocks that kvguard
-  holds as VALIDATED/PUBLISHED/OFFLOADED *with this request's hash at that position*;
+  the offloadable range of each request vLLM may offer a new chunk of is clamped to
+  its validated frontier (the gate's): its leading blocks VALIDATED or later *with
+  this request's key at that position*;
   vLLM's chunk pointer stops there, so a chunk is offered again at the first step
   after the step that filled it validated. A quarantined or still-unchecked chunk is
   never offered, not even when its request finishes. (The clamp rides on vLLM's own
@@ -138,6 +141,7 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
             (config.group_idx, config.tokens_per_block, i in self._full_attention_groups)
             for i, config in enumerate(self.config.kv_group_configs)
         )
+        self._kvguard_blocks_per_chunk: int = self.config.blocks_per_chunk
         self._kvguard_observe_tier_evictions()
         if type(self.manager) is CPUOffloadingManager:
             self._kvguard_observe_loads()
@@ -182,17 +186,32 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
 
     # ------------------------------------------------------------------ store admission
 
-    def _kvguard_validated_tokens(self, req_id: str, req_status: Any) -> int:
-        """Tokens of the request's leading blocks the gate lets leave: in every group,
-        its validated frontier (from vLLM's chunk pointer on: chunks before it were
-        offered already)."""
-        gate = self.kvguard_gate
-        blocks_per_chunk = self.config.blocks_per_chunk
+    def _kvguard_validated_tokens(self, req_id: str, req_status: Any) -> int | None:
+        """Tokens of the request's leading blocks the gate lets leave -- in every group
+        its validated frontier, from vLLM's chunk pointer on (chunks before it were
+        offered already) -- or None when vLLM can offer no new chunk of it: it is
+        running and no group has a chunk past the pointer with every block allocated
+        and its offload key made (vLLM's own bound, ``storable_chunks``: the min of the
+        chunks offloadable, allocated and keyed). Most running requests have none at
+        most steps, and cost no gate call."""
+        blocks_per_chunk = self._kvguard_blocks_per_chunk
+        group_states = req_status.group_states
+        if not req_status.req.is_finished():
+            for group_state in group_states:
+                allocated = len(group_state.block_ids) // blocks_per_chunk
+                if min(allocated, len(group_state.offload_keys)) > (
+                    group_state.next_stored_chunk_idx
+                ):
+                    break
+            else:
+                return None
+        frontier = self.kvguard_gate.frontier
         request_hashes = req_status.req.block_hashes
         limit = -1
-        views = zip(self._kvguard_groups, req_status.group_states, strict=True)
-        for (group_id, block_size, held), group_state in views:
-            n = gate.frontier(
+        for (group_id, block_size, held), group_state in zip(
+            self._kvguard_groups, group_states, strict=True
+        ):
+            n = frontier(
                 req_id,
                 group_id,
                 group_state.block_ids,
@@ -205,22 +224,6 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
             if limit < 0 or tokens < limit:
                 limit = tokens
         return max(limit, 0)
-
-    def _kvguard_new_chunks(self, req_status: Any) -> bool:
-        """Whether vLLM may offer a chunk of this request past its chunk pointer: it is
-        finished (its last offer), or a group has a chunk past the pointer with every
-        block allocated and its offload key made -- vLLM's own bound
-        (``storable_chunks``: min of the chunks offloadable, allocated and keyed). Most
-        running requests have none at most steps (a decode fills one block over many),
-        and need no clamp: nothing to ask the gate."""
-        if req_status.req.is_finished():
-            return True
-        blocks_per_chunk = self.config.blocks_per_chunk
-        for group_state in req_status.group_states:
-            allocated = len(group_state.block_ids) // blocks_per_chunk
-            if min(allocated, len(group_state.offload_keys)) > group_state.next_stored_chunk_idx:
-                return True
-        return False
 
     def _kvguard_hold_back_hits(self, req_status: Any, limit: int) -> int:
         """``limit`` for a request whose storable blocks past vLLM's chunk pointer are
@@ -250,16 +253,17 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
         # after.
         statuses = self._req_status
         validated_tokens = self._kvguard_validated_tokens
-        new_chunks = self._kvguard_new_chunks
         clamped: list[tuple[Any, int | None]] = []
         try:
             for req_id in chain(
                 scheduler_output.num_scheduled_tokens, scheduler_output.finished_req_ids or ()
             ):
                 req_status = statuses.get(req_id)
-                if req_status is None or not new_chunks(req_status):
+                if req_status is None:
                     continue
                 limit = validated_tokens(req_id, req_status)
+                if limit is None:
+                    continue  # (no new chunk vLLM may offer: nothing to clamp)
                 if limit <= req_status.num_locally_computed_tokens:
                     limit = self._kvguard_hold_back_hits(req_status, limit)
                 own = req_status.max_offload_tokens
