@@ -232,16 +232,17 @@ def test_a_request_whose_blocks_cannot_roll_back_ends_and_the_rest_resume(
     s.add_request(make_request("b", PROMPT[:40][::-1], max_tokens=4))
     step(s)
     s.schedule()
-    core = s.kvguard_pool.core
-    stock = core.roll_back_blocks
+    # The scheduler calls the core's recovery façade (slotted: patched on its class).
+    recovery = type(s.kvguard_pool.core.recovery)
+    stock = recovery.roll_back_blocks
     a_blocks = set(_blocks(s, "a"))
 
-    def refuse_a(tails: dict[int, int]) -> Any:
+    def refuse_a(self: Any, tails: dict[int, int]) -> Any:
         if a_blocks & set(tails):
             raise RollbackError("block seen by others")
-        return stock(tails)
+        return stock(self, tails)
 
-    monkeypatch.setattr(core, "roll_back_blocks", refuse_a)
+    monkeypatch.setattr(recovery, "roll_back_blocks", refuse_a)
     report = s.recover()
     assert [r.request_id for r in report.resumed] == ["b"]
     ((request, why),) = report.ended

@@ -226,6 +226,11 @@ class GuardedBlockPool(BlockPool):
         (null_id,) = core.allocate_blocks(1)
         core.take_blocks_to_zero()  # the null block is never read
         self.core = core
+        # The core's façades, called directly on the per-step paths (no forwarding
+        # frame of the pool's; with check_invariants they are the checking ones).
+        self._block_steps = core.block_steps
+        self._tier_gate = core.tier_gate
+        self._record_events = core.record_events
         # The block objects vLLM's managers see are kvguard's own records.
         self.blocks = cast("list[GuardedKVCacheBlock]", core.block_records)
         # As vLLM's own blocks name their pool (0.34: by a weak reference), one
@@ -293,7 +298,7 @@ class GuardedBlockPool(BlockPool):
         publication for (:attr:`pending`)."""
         pending = self.pending
         publications = {b: pending.pop(b) for b in block_ids if b in pending} if pending else None
-        result = self.core.validate_blocks(block_ids, publications)
+        result = self._block_steps.validate_blocks(block_ids, publications)
         events = self.held_events
         if events:  # vLLM's KV events are on
             blocks = self.blocks
@@ -307,7 +312,7 @@ class GuardedBlockPool(BlockPool):
     def fail_fills(self, block_ids: Iterable[int]) -> tuple[int, ...]:
         """The steps that filled ``block_ids`` failed (or can never be validated):
         quarantine what they wrote."""
-        quarantined = self.core.fail_blocks(block_ids)
+        quarantined = self._block_steps.fail_blocks(block_ids)
         self.withdraw(quarantined)
         return quarantined
 
@@ -462,7 +467,7 @@ class GuardedBlockPool(BlockPool):
         """A block vLLM caches that no in-flight step writes: publish it now."""
         block.num_hash_tokens = (index + 1) * block_size
         try:
-            self.core.publish_block(block.block_id, key, parent, owner=request.request_id)
+            self._block_steps.publish_block(block.block_id, key, parent, owner=request.request_id)
         except IllegalTransitionError:
             return  # quarantined by a failed step: never published
         if self.enable_kv_cache_events:
@@ -518,11 +523,10 @@ class GuardedBlockPool(BlockPool):
     # ------------------------------------------------------------------ allocation
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        core = self.core
         try:
             # WRITTEN: handed out because the step being scheduled writes them (or a
             # connector loads KV into them), unvalidated until the step that fills them.
-            ids = core.allocate_blocks(num_blocks, write=True)
+            ids = self._block_steps.allocate_blocks(num_blocks, write=True)
         except OutOfBlocksError:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool") from None
         blocks = self.blocks
@@ -530,7 +534,7 @@ class GuardedBlockPool(BlockPool):
         if self._reuse_watchers:
             self._notify_reuse(ret)
         collector = self.metrics_collector
-        if core.record_events:
+        if self._record_events:
             self._report_core_removals()
             if collector:
                 for block in ret:
@@ -548,7 +552,7 @@ class GuardedBlockPool(BlockPool):
         :meth:`is_block_writable` counts it, as vLLM's ``ref_cnt`` would)."""
         ids = [b.block_id for b in blocks if not b.is_null]
         try:
-            self.core.acquire_blocks(ids)
+            self._block_steps.acquire_blocks(ids)
         except IllegalTransitionError:
             self._pin_held(ids)
         collector = self.metrics_collector
@@ -598,9 +602,9 @@ class GuardedBlockPool(BlockPool):
         if self.tails:
             self._settle_tails(ids, steps_passed)
         # (kvguard raises, changing nothing, on a double free.)
-        self.core.release_blocks(ids, steps_passed=steps_passed)
+        self._block_steps.release_blocks(ids, steps_passed=steps_passed)
         if evict_first:
-            self.core.block_steps.evict_first(ids)
+            self._block_steps.evict_first(ids)
         pending = self.pending
         if pending and not pending.keys().isdisjoint(ids):
             # What is held for a block dies with its last reference (the block may be
@@ -625,7 +629,7 @@ class GuardedBlockPool(BlockPool):
         written has one owner, and the copy runs in the step being scheduled, before
         any block freed now is reused -- so the reference is disowned and that release
         skipped."""
-        self.core.disown_reference(block.block_id)
+        self._block_steps.disown_reference(block.block_id)
         block_id = block.block_id
         self.retentions[block_id] = self.retentions.get(block_id, 0) + 1
 
@@ -649,7 +653,7 @@ class GuardedBlockPool(BlockPool):
             b for b in block_ids if blocks[b].ref_cnt and blocks[b].state not in MATCHABLE_STATES
         ]
         pinned = set(pins)
-        self.core.acquire_blocks([b for b in block_ids if b not in pinned])
+        self._block_steps.acquire_blocks([b for b in block_ids if b not in pinned])
         retentions = self.retentions
         for block_id in pins:
             retentions[block_id] = retentions.get(block_id, 0) + 1
@@ -707,9 +711,8 @@ class GuardedBlockPool(BlockPool):
         (:meth:`kvguard.BlockPool.invalidate`: GPU blocks quarantined, requests
         holding them aborted) and purge their copies from every tier that registered
         a purger (:mod:`kvguard.adapters.vllm.exits.tier_purge`)."""
-        core = self.core
-        report = core.invalidate(block_hashes, descendants=descendants)
-        if core.record_events:
+        report = self._tier_gate.invalidate(block_hashes, descendants=descendants)
+        if self._record_events:
             self._report_core_removals()
         return self.tier_purgers.purge(report)
 
@@ -820,8 +823,8 @@ class GuardedBlockPool(BlockPool):
         key = block.block_hash
         if key is None:
             return False
-        self.core.invalidate([key], descendants=False)
-        if self.core.record_events:
+        self._tier_gate.invalidate([key], descendants=False)
+        if self._record_events:
             self._report_core_removals()
         return True
 

@@ -137,7 +137,7 @@ def roll_back_request(scheduler: Any, request: Any, boundary: int) -> None:
                 block_id = blocks[i].block_id
                 tails[block_id] = max(0, boundary - i * size)
     pool = scheduler.kvguard_pool
-    pool.core.roll_back_blocks(tails)  # all or nothing
+    pool.core.recovery.roll_back_blocks(tails)  # all or nothing
     for block_id in tails:
         # An entry vLLM registered inside a rolled-back block (a prompt's tail) may
         # cover wiped tokens: it goes; vLLM registers it again when they are recomputed.
