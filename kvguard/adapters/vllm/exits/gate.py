@@ -120,11 +120,6 @@ class _Frontier:
     built again (a request preempted and resumed) holds another block there, or the
     same one handed out again."""
     last_generation: int
-    end: int
-    """How far both lists reached when verified (``n == end``: all of it verified),
-    and below their lengths then."""
-    end_blocks: int
-    end_hashes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,47 +222,37 @@ class ExitGate:
         holds them, so nothing else can make a verified block unstorable.
         """
         pool = self._pool
-        if pool is None or self._exit_epoch is None:
+        exit_epoch = self._exit_epoch
+        if pool is None or exit_epoch is None:
             return 0
         records = pool.blocks
-        epoch = self._exit_epoch()
+        epoch = exit_epoch()
         known = self._frontiers.get((request_id, group_id))
-        if (
-            known is not None
-            and known.n == known.end >= start
-            and known.epoch == epoch
-            and known.source is request_hashes
-            and known.end_blocks == len(block_ids)
-            and known.end_hashes == len(known.hashes)
-            and held
-            and known.last >= 0
-            and block_ids[known.n - 1] == known.last
-            and records[known.last].generation == known.last_generation
-        ):
-            # Every block both lists held was verified, neither list grew, nothing
-            # moved a block back: the answer stands (the common case, a dict lookup).
-            return known.n
         if known is None or known.source is not request_hashes:
             hashes = group_hashes(request_hashes, pool.hash_block_size, block_size)
-            known = _Frontier(start, epoch, request_hashes, hashes, -1, 0, -1, 0, 0)
+            known = _Frontier(start, epoch, request_hashes, hashes, -1, 0)
             self._frontiers[(request_id, group_id)] = known
         n = known.n
-        if n > start and (
-            not held
-            or known.epoch != epoch
-            or known.last < 0
-            or n > len(block_ids)
-            or block_ids[n - 1] != known.last
-            or records[known.last].generation != known.last_generation
+        moved = False
+        if n <= start:
+            moved = n < start
+            n = start
+        elif not (  # the blocks verified up to n must still be the request's, unmoved
+            held
+            and known.epoch == epoch
+            and known.last >= 0
+            and n <= len(block_ids)
+            and block_ids[n - 1] == known.last
+            and records[known.last].generation == known.last_generation
         ):
             n = start  # verify again
-        elif n < start:
-            n = start
+            moved = True
+        known.epoch = epoch
         hashes = known.hashes
         end = min(len(block_ids), len(hashes))
-        if n > end:
+        if n >= end:
             n = end  # (no block, or no hash yet, past the end: nothing to offer there)
-        elif n < end:
+        else:
             suffix = group_suffix(group_id)
             while n < end:
                 block = records[block_ids[n]]
@@ -277,16 +262,14 @@ class ExitGate:
                 elif not storable_as(block, hashes[n] + suffix):  # type: ignore[arg-type]
                     break
                 n += 1
-        known.n = n
-        known.epoch = epoch
-        known.end = end
-        known.end_blocks = len(block_ids)
-        known.end_hashes = len(hashes)
-        if 0 < n <= len(block_ids) and not records[block_ids[n - 1]].is_null:
-            known.last = block_ids[n - 1]
-            known.last_generation = records[known.last].generation
-        else:
-            known.last = -1  # (nothing verified to trust: verified again next time)
+        if moved or n != known.n:
+            known.n = n
+            last = block_ids[n - 1] if n else -1
+            if last < 0 or records[last].is_null:
+                known.last = -1  # (nothing verified to trust: verified again next time)
+            else:
+                known.last = last
+                known.last_generation = records[last].generation
         return n
 
     def forget_requests(self, keep: Collection[str] = ()) -> None:
