@@ -100,6 +100,8 @@ def test_a_window_takes_freed_blocks_out_of_the_steps_in_flight() -> None:
     ledger.open()
     ledger.note("a", [1, 2, 3], 48)
     ledger.seal(1, {"a": 48})
+    assert ledger.filled_in_flight("a", [3, 4, 1]) == {1, 3}
+    assert ledger.filled_in_flight("a", [4]) == set() == ledger.filled_in_flight("b", [1])
     assert ledger.take_fills("a", {1, 3}) == [1, 3]
     assert list(ledger.fills_in_flight("a")) == [2]
     ledger.carried.add("a", [5, 6])

@@ -587,8 +587,9 @@ class GuardedBlockPool(BlockPool):
             released = self._skip_retentions(released)
         handle = self._pool_handle
         ids = [block.block_id for block in released if block.pool is handle and not block.is_null]
-        other_pools: dict[Any, list[KVCacheBlock]] = {}
+        other_pools: dict[Any, list[KVCacheBlock]] | None = None
         if len(ids) != len(released):  # null blocks, or blocks of another pool
+            other_pools = {}
             for block in released:
                 if block.pool is not handle and not block.is_null:
                     pool = owning_pool(block)
@@ -616,7 +617,7 @@ class GuardedBlockPool(BlockPool):
                     del pending[block_id]
                     if events:
                         events.pop(block_id, None)
-        for pool, others in other_pools.items():
+        for pool, others in other_pools.items() if other_pools else ():
             if evict_first:
                 pool.free_blocks(others, evict_first)
             else:

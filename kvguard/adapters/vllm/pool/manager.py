@@ -135,10 +135,12 @@ def _guarded_mamba_allocation(pool: GuardedBlockPool, manager: Any) -> Callable[
     def allocate_new_blocks(request_id: str, *args: Any, **kwargs: Any) -> Any:
         before = len(manager._pending_cow_copies)
         blocks = allocate(request_id, *args, **kwargs)
-        table = manager.req_to_blocks.get(request_id, ())
-        for source, _ in manager._pending_cow_copies[before:]:
-            if any(block is source for block in table):
-                pool.retain_for_copy(source)
+        copies = manager._pending_cow_copies
+        if len(copies) > before:  # (called for every request every step: most copy nothing)
+            table = manager.req_to_blocks.get(request_id, ())
+            for source, _ in copies[before:]:
+                if any(block is source for block in table):
+                    pool.retain_for_copy(source)
         return blocks
 
     return allocate_new_blocks

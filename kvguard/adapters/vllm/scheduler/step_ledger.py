@@ -239,6 +239,18 @@ class StepLedger:
         for record in self._steps:
             yield from record.fills.get(request_id, ())
 
+    def filled_in_flight(self, request_id: str, block_ids: Iterable[int]) -> set[int]:
+        """Those of ``block_ids`` that the request's still-in-flight steps fill (a
+        window free asks this of every release: most find none)."""
+        found: set[int] = set()
+        for record in self._steps:
+            filled = record.fills.get(request_id)
+            if filled:
+                found.update(filled)
+        if found:
+            found.intersection_update(block_ids)
+        return found
+
     def take_fills(self, request_id: str, block_ids: set[int]) -> list[int]:
         """Take ``block_ids`` out of the request's in-flight fills: those found. (A
         sliding window or local chunk can free a block whose every write reported,

@@ -67,8 +67,7 @@ class _WindowFrees(_GuardStartUp):
         ledger = self._kvguard_ledger
         carried = ledger.carried.fills.get(request_id)
         clean = not carried and self._kvguard_reported_clean(request_id)
-        freed = set(block_ids)
-        in_flight = {b for b in ledger.fills_in_flight(request_id) if b in freed}
+        in_flight = ledger.filled_in_flight(request_id, block_ids)
         if in_flight:
             pool = self.kvguard_pool
             reported = self._kvguard_reported_tokens(request_id)
@@ -92,7 +91,7 @@ class _WindowFrees(_GuardStartUp):
         if carried:
             # Loaded blocks the window drops (quarantined: not clean) are no longer the
             # request's to vouch for.
-            ledger.carried.drop(request_id, freed)
+            ledger.carried.drop(request_id, set(block_ids))
         return clean
 
     def _kvguard_reported_clean(self, request_id: str) -> bool:
