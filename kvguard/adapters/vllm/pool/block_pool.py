@@ -530,7 +530,7 @@ class GuardedBlockPool(BlockPool):
         except OutOfBlocksError:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool") from None
         blocks = self.blocks
-        ret = [blocks[i] for i in ids]
+        ret = list(map(blocks.__getitem__, ids))
         if self._reuse_watchers:
             self._notify_reuse(ret)
         collector = self.metrics_collector
@@ -600,7 +600,8 @@ class GuardedBlockPool(BlockPool):
             passed = window_frees(ids)
             if passed is not None:
                 steps_passed = passed
-        if self.tails:
+        tails = self.tails
+        if tails and not tails.keys().isdisjoint(ids):
             self._settle_tails(ids, steps_passed)
         # (kvguard raises, changing nothing, on a double free.)
         self._block_steps.release_blocks(ids, steps_passed=steps_passed)
