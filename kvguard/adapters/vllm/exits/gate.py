@@ -115,6 +115,8 @@ class _Frontier:
     """The request's hash list the keys came from (a new list: keys computed again)."""
     hashes: Sequence[bytes]
     """Its view at the group's block size."""
+    suffix: bytes
+    """The group's key suffix (:func:`group_suffix`)."""
     last: int
     """The id of block ``n - 1`` (-1: none), and below its generation then: a table
     built again (a request preempted and resumed) holds another block there, or the
@@ -230,7 +232,7 @@ class ExitGate:
         known = self._frontiers.get((request_id, group_id))
         if known is None or known.source is not request_hashes:
             hashes = group_hashes(request_hashes, pool.hash_block_size, block_size)
-            known = _Frontier(start, epoch, request_hashes, hashes, -1, 0)
+            known = _Frontier(start, epoch, request_hashes, hashes, group_suffix(group_id), -1, 0)
             self._frontiers[(request_id, group_id)] = known
         n = known.n
         moved = False
@@ -253,7 +255,7 @@ class ExitGate:
         if n >= end:
             n = end  # (no block, or no hash yet, past the end: nothing to offer there)
         else:
-            suffix = group_suffix(group_id)
+            suffix = known.suffix
             while n < end:
                 block = records[block_ids[n]]
                 if block.is_null:
@@ -318,6 +320,19 @@ class ExitGate:
         except NotStorableError:
             return None
 
+    def open_each(self, block_ids: Iterable[int]) -> list[StoreTicket | None]:
+        """:meth:`open` for each of ``block_ids``, in one call (a store event of
+        single-block copies): a ticket per block, None where kvguard refuses it."""
+        begin_store = self._bound().core.tier_gate.begin_store
+        tier = self.tier
+        tickets: list[StoreTicket | None] = []
+        for block_id in block_ids:
+            try:
+                tickets.append(begin_store(block_id, tier))
+            except NotStorableError:
+                tickets.append(None)
+        return tickets
+
     def open_all(self, block_ids: Iterable[int]) -> list[StoreTicket] | int:
         """Tickets for every block but the null block (a window's freed position: not
         copied), or -- if kvguard refuses one -- that block's id, with the tickets
@@ -368,6 +383,21 @@ class ExitGate:
             if ok and ticket.block_hash not in holders:
                 core.forget_tier_copy(self.tier, ticket.block_hash)
         return False
+
+    def settle_each(self, copies: Sequence[Any], tickets: Sequence[StoreTicket]) -> list[int]:
+        """:meth:`settle` for single-block copies, in one call: ``tickets[i]`` is the
+        one block of copy ``copies[i]``. Returns the indices of the copies whose
+        acknowledgement came too late (the tier must discard them); the others are
+        recorded."""
+        ack = self._bound().core.tier_gate.ack_store
+        record = self.record
+        late: list[int] = []
+        for index, ticket in enumerate(tickets):
+            if ack(ticket):
+                record(copies[index], (ticket.block_hash,))
+            else:
+                late.append(index)
+        return late
 
     # ------------------------------------------------------------------ the tier record
 

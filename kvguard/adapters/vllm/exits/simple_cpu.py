@@ -232,14 +232,9 @@ class GuardedSimpleCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         event = meta.store_event
         transfer = self._store_event_to_blocks[event]
         gate = self.kvguard_gate
-        tickets: list[StoreTicket] = []
-        refused: list[int] = []
-        for index, block_id in enumerate(transfer.gpu_block_ids):
-            ticket = gate.open(block_id)
-            if ticket is None:
-                refused.append(index)
-            else:
-                tickets.append(ticket)
+        opened = gate.open_each(transfer.gpu_block_ids)
+        tickets = [ticket for ticket in opened if ticket is not None]
+        refused = [index for index, ticket in enumerate(opened) if ticket is None]
         if refused:
             logger.warning(
                 "kvguard: store event %d copies block(s) %s, which are not validated "
@@ -307,9 +302,7 @@ class GuardedSimpleCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         """Settle each copied block with the gate (the tier's copy: its CPU block); a
         block whose copy came too late leaves the event, so vLLM does not register it."""
         gate = self.kvguard_gate
-        settle = gate.settle
-        cpu_block_ids = transfer.cpu_block_ids
-        late = [i for i, ticket in enumerate(tickets) if not settle(cpu_block_ids[i], (ticket,))]
+        late = gate.settle_each(transfer.cpu_block_ids, tickets)
         gate.count("offload_chunks_stored", len(tickets) - len(late))
         if late:
             gate.count("offload_chunks_discarded", len(late))
