@@ -61,14 +61,16 @@ class TierGate:
         return storable_as(self._kernel.blocks[block_id], arguments.block_hash("key", key))
 
     def exit_epoch(self) -> int:
-        """A number that changes whenever a block may have stopped being storable under
-        its key: a quarantine (a failed step, an invalidation, an unvalidated release),
-        an eviction or a rollback, anywhere in the pool. An exit that verified a
-        request's leading blocks may trust its answer while this stays the same and the
-        request holds those blocks (no step rewrites a full block its request holds).
-        Pure read, O(1)."""
+        """A number that changes whenever a block someone holds may have stopped being
+        storable under its key: a quarantine (a failed step, an invalidation, an
+        unvalidated release) or a rollback, anywhere in the pool. An exit that verified
+        a request's leading blocks may trust its answer while this stays the same and
+        the request holds those blocks (no step rewrites a full block its request
+        holds). Evictions do not move it: only blocks nobody holds are evicted, so an
+        exit asking about blocks a request no longer holds (a finished request's, freed
+        before their copy) verifies them again. Pure read, O(1)."""
         c = self._kernel.counters
-        return c.blocks_quarantined + c.blocks_evicted + c.hashes_invalidated + c.slots_zeroed
+        return c.blocks_quarantined + c.hashes_invalidated + c.slots_zeroed
 
     def begin_store(self, block_id: int, tier: str = "default") -> StoreTicket:
         """Start copying a validated block to ``tier``; raises unless VALIDATED or later."""

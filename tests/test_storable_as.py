@@ -1,7 +1,7 @@
 """The storable rule (``TierGate.storable_as``) and the exit epoch exits trust it by.
 
 A block may leave as a key only when it is VALIDATED or later and carries that key; the
-exit epoch moves whenever a block may have stopped being storable.
+exit epoch moves whenever a block someone holds may have stopped being storable.
 """
 
 from __future__ import annotations
@@ -59,14 +59,19 @@ def test_quarantined_is_not_storable_and_moves_the_epoch() -> None:
     assert gate.exit_epoch() != epoch
 
 
-def test_eviction_moves_the_epoch() -> None:
+def test_eviction_leaves_the_epoch_and_takes_only_unheld_blocks() -> None:
+    # An exit trusts a frontier it verified while the epoch stays and the request holds
+    # the blocks: an eviction needs no epoch move, since it never takes a held block.
     pool = BlockPool(3, 4, check_invariants=True)
-    b = _published(pool)
-    pool.release_blocks([b], steps_passed=True)  # cached, no holder
+    held = _published(pool)
+    freed = _published(pool, H2)
+    pool.release_blocks([freed], steps_passed=True)  # cached, no holder
     epoch = pool.tier_gate.exit_epoch()
-    pool.allocate_blocks(pool.get_num_free_blocks())  # takes the cached one back
-    assert not pool.tier_gate.storable_as(b, H1)
-    assert pool.tier_gate.exit_epoch() != epoch
+    taken = pool.allocate_blocks(pool.get_num_free_blocks())  # takes the cached one back
+    assert freed in taken and held not in taken
+    assert not pool.tier_gate.storable_as(freed, H2)
+    assert pool.tier_gate.storable_as(held, H1)
+    assert pool.tier_gate.exit_epoch() == epoch
 
 
 def test_a_failed_step_moves_the_epoch() -> None:

@@ -152,6 +152,9 @@ class ExitGate:
         self._pool: GuardedBlockPool | None = None
         self._exit_epoch: Callable[[], int] | None = None
         self._frontiers: dict[tuple[str, int], _Frontier] = {}
+        # request -> (exit epoch, preemptions, tokens) of its last answer in every
+        # group (:meth:`note_cleared`, :meth:`clears`).
+        self._cleared: dict[str, tuple[int, int, int]] = {}
         # The tier record: copy (an offload key, a folder, a hash) -> the keys it holds,
         # and per key how many recorded copies hold it.
         self._copies: dict[Any, tuple[BlockHash, ...]] = {}
@@ -171,6 +174,7 @@ class ExitGate:
             return None
         if pool is not self._pool:
             self._frontiers.clear()
+            self._cleared.clear()
         self._pool = pool
         self._exit_epoch = pool.core.tier_gate.exit_epoch
         if purge is not None:
@@ -274,11 +278,42 @@ class ExitGate:
                 known.last_generation = records[last].generation
         return n
 
+    def note_cleared(self, request_id: str, preemptions: int, tokens: int) -> None:
+        """The request's frontiers, asked just now with it holding its blocks (running,
+        preempted ``preemptions`` times so far), let ``tokens`` of its leading tokens
+        leave in every group: :meth:`clears` answers from this until it may be stale."""
+        exit_epoch = self._exit_epoch
+        if exit_epoch is not None:
+            self._cleared[request_id] = (exit_epoch(), preemptions, tokens)
+
+    def clears(self, request_id: str, preemptions: int, tokens: int) -> bool:
+        """Whether the request's leading ``tokens`` may leave, known without asking its
+        frontiers: they are within what :meth:`note_cleared` last recorded, and nothing
+        can have moved a block it holds back since -- the pool's exit epoch is the same
+        and the request was not preempted (its block table is only appended to). False
+        means: ask :meth:`frontier`. O(1): one dict lookup."""
+        known = self._cleared.get(request_id)
+        return (
+            known is not None
+            and tokens <= known[2]
+            and known[1] == preemptions
+            and self._exit_epoch is not None
+            and known[0] == self._exit_epoch()
+        )
+
+    def forget_cleared(self, request_id: str) -> None:
+        """Drop what :meth:`note_cleared` recorded for the request (a store of it the
+        core refused: its frontiers are asked again)."""
+        self._cleared.pop(request_id, None)
+
     def forget_requests(self, keep: Collection[str] = ()) -> None:
         """Drop the frontiers of every request not in ``keep`` (requests gone)."""
         frontiers = self._frontiers
         for key in [k for k in frontiers if k[0] not in keep]:
             del frontiers[key]
+        cleared = self._cleared
+        for request_id in [r for r in cleared if r not in keep]:
+            del cleared[request_id]
 
     def num_frontiers(self) -> int:
         """How many (request, group) frontiers the gate keeps."""

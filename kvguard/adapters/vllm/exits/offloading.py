@@ -142,6 +142,8 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
             for i, config in enumerate(self.config.kv_group_configs)
         )
         self._kvguard_blocks_per_chunk: int = self.config.blocks_per_chunk
+        # Tokens per chunk in each group: vLLM offers whole chunks only.
+        self._kvguard_chunk_tokens = [c.tokens_per_chunk for c in self.config.kv_group_configs]
         self._kvguard_observe_tier_evictions()
         if type(self.manager) is CPUOffloadingManager:
             self._kvguard_observe_loads()
@@ -196,7 +198,10 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
         most steps, and cost no gate call."""
         blocks_per_chunk = self._kvguard_blocks_per_chunk
         group_states = req_status.group_states
-        if not req_status.req.is_finished():
+        # A finished request's blocks are freed before vLLM stores them (its fences
+        # keep them from being reused first): not held, verified at each call.
+        finished = req_status.req.is_finished()
+        if not finished:
             for group_state in group_states:
                 allocated = len(group_state.block_ids) // blocks_per_chunk
                 if min(allocated, len(group_state.offload_keys)) > (
@@ -218,7 +223,7 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
                 request_hashes,
                 block_size,
                 group_state.next_stored_chunk_idx * blocks_per_chunk,
-                held=held,
+                held=held and not finished,
             )
             tokens = n * block_size
             if limit < 0 or tokens < limit:
@@ -252,18 +257,41 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
         # there), lowered to what kvguard allows; the request's own value comes back
         # after.
         statuses = self._req_status
+        clamps: list[tuple[Any, int]] = []
+        clears = gate.clears
+        note_cleared = gate.note_cleared
         validated_tokens = self._kvguard_validated_tokens
+        chunk_tokens = self._kvguard_chunk_tokens
+        chunk = chunk_tokens[0] if len(chunk_tokens) == 1 else 0
+        scheduled = scheduler_output.num_scheduled_tokens
+        for req_id, num_scheduled in scheduled.items():
+            req_status = statuses.get(req_id)
+            if req_status is None:
+                continue
+            req = req_status.req
+            # vLLM offers no chunk past the tokens this step computes: when the gate
+            # cleared those already (a decode step inside a block: most steps), there
+            # is nothing to clamp, and no frontier to ask.
+            offered = req.num_computed_tokens + num_scheduled
+            if chunk:
+                offered -= offered % chunk
+            else:
+                offered = max([offered - offered % t for t in chunk_tokens])
+            if clears(req_id, req.num_preemptions, offered):
+                continue
+            limit = validated_tokens(req_id, req_status)
+            if limit is not None:
+                note_cleared(req_id, req.num_preemptions, limit)
+                clamps.append((req_status, limit))
+        for req_id in scheduler_output.finished_req_ids or ():
+            req_status = statuses.get(req_id)
+            if req_status is not None and req_id not in scheduled:
+                limit = validated_tokens(req_id, req_status)
+                if limit is not None:
+                    clamps.append((req_status, limit))
         clamped: list[tuple[Any, int | None]] = []
         try:
-            for req_id in chain(
-                scheduler_output.num_scheduled_tokens, scheduler_output.finished_req_ids or ()
-            ):
-                req_status = statuses.get(req_id)
-                if req_status is None:
-                    continue
-                limit = validated_tokens(req_id, req_status)
-                if limit is None:
-                    continue  # (no new chunk vLLM may offer: nothing to clamp)
+            for req_status, limit in clamps:
                 if limit <= req_status.num_locally_computed_tokens:
                     limit = self._kvguard_hold_back_hits(req_status, limit)
                 own = req_status.max_offload_tokens
@@ -338,6 +366,7 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
 
     def _kvguard_cancel(self, job_id: int, req_id: str, status: Any) -> None:
         """Undo a store job vLLM just built (it never reaches a worker)."""
+        self.kvguard_gate.forget_cleared(req_id)
         req_status = self._req_status[req_id]
         self.manager.complete_store(status.keys, req_status.req_context, success=False)
         req_status.transfer_jobs.discard(job_id)
