@@ -74,10 +74,11 @@ def undo_runner_patches_after(monkeypatch: pytest.MonkeyPatch) -> None:
     if zeroer is not None:
         cpu_zeroer = zeroer.CPUKVBlockZeroer
         monkeypatch.setattr(cpu_zeroer, "zero_block_ids", cpu_zeroer.zero_block_ids)
-    cpu = sys.modules.get(worker_slots.CPU_RUNNER)  # (0.34's x86 CPU runner)
+    cpu = sys.modules.get(worker_nans.CPU_RUNNER)  # (0.34's standalone CPU runner)
     if cpu is not None:
         cpu_runner = cpu.StandaloneCPUModelRunner
         monkeypatch.setattr(cpu_runner, "update_requests", cpu_runner.update_requests)
+        monkeypatch.setattr(cpu_runner, "sample", cpu_runner.sample)
     if has_v1_model_runner():
         import vllm.v1.worker.gpu_model_runner as v1_runner
 

@@ -25,6 +25,7 @@ from kvguard.adapters.vllm._compat import has_v1_model_runner  # noqa: E402
 from kvguard.adapters.vllm.pool.block_pool import GuardModeUnsupported  # noqa: E402
 from kvguard.adapters.vllm.workers import audit as worker_audit  # noqa: E402
 from kvguard.adapters.vllm.workers import caches as worker_caches  # noqa: E402
+from kvguard.adapters.vllm.workers import nans as worker_nans  # noqa: E402
 from kvguard.adapters.vllm.workers.audit import AuditedCounts  # noqa: E402
 
 from .conftest import undo_runner_patches_after  # noqa: E402
@@ -176,11 +177,24 @@ def test_v1_async_adds_the_findings_on_the_device(monkeypatch: pytest.MonkeyPatc
     assert device_counts.tolist() == [0, 5, 2]
 
 
-def test_v2_adds_the_findings_to_the_samplers_counts(monkeypatch: pytest.MonkeyPatch) -> None:
-    undo_runner_patches_after(monkeypatch)
-    import vllm.v1.worker.gpu.model_runner as v2
+def _v2_runner_class(which: str) -> Any:
+    """vLLM's V2 GPU runner, or 0.34's standalone CPU runner (a V2 runner of its own)."""
+    if which == "V2":
+        import vllm.v1.worker.gpu.model_runner as v2
 
-    cls = v2.GPUModelRunner
+        return v2.GPUModelRunner
+    cpu = pytest.importorskip(
+        worker_nans.CPU_RUNNER, reason="vLLM's standalone CPU runner comes with 0.34"
+    )
+    return cpu.StandaloneCPUModelRunner
+
+
+@pytest.mark.parametrize("which", ["V2", "CPU"])
+def test_v2_adds_the_findings_to_the_samplers_counts(
+    which: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    undo_runner_patches_after(monkeypatch)
+    cls = _v2_runner_class(which)
     sampled = SimpleNamespace(num_nans=torch.tensor([1, 0], dtype=torch.int32))
 
     def update_requests(self: Any, scheduler_output: Any) -> None:
@@ -202,6 +216,9 @@ def test_v2_adds_the_findings_to_the_samplers_counts(monkeypatch: pytest.MonkeyP
     cls.sample(runner, None, batch, None)
     assert sampled.num_nans.tolist() == [1, 1]
     assert worker_audit.runner_audits(runner) is False  # (a stand-in, not a V2 runner)
+    real = cls.__new__(cls)  # the patched class with the stand-in's caches: it audits
+    real.__dict__.update(vars(runner))
+    assert worker_audit.runner_audits(real) is True
 
 
 # ---------------------------------------------------------------- the scheduler

@@ -41,7 +41,7 @@ if has_v1_model_runner():
 
 needs_v1 = pytest.mark.skipif(
     not has_v1_model_runner(),
-    reason="vLLM 0.34 has no V1 model runner (its x86 CPU runner is a V2 runner, covered "
+    reason="vLLM 0.34 has no V1 model runner (its CPU runners are V2 runners, covered "
     "by test_v2_rejection_sampler_counts_are_summed_per_request)",
 )
 
@@ -239,9 +239,10 @@ class _V2Batch:
         self.num_draft_tokens = cu_num_logits[-1] - self.num_reqs
 
 
+@pytest.mark.parametrize("which", ["V2", "CPU"])
 @pytest.mark.parametrize("sharded", [False, True], ids=["one-rank", "sharded"])
 def test_v2_rejection_sampler_counts_are_summed_per_request(
-    sharded: bool, monkeypatch: pytest.MonkeyPatch
+    sharded: bool, which: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """V2's ``sample`` returns the rejection sampler's per-row counts; the patch sums
     them with the batch's ``cu_num_logits``, unless the sampler is sharded (vLLM's
@@ -250,6 +251,15 @@ def test_v2_rejection_sampler_counts_are_summed_per_request(
     import vllm.v1.worker.gpu.model_runner as v2
     from vllm.v1.worker.gpu.sample.output import SamplerOutput as V2SamplerOutput
 
+    if which == "CPU":  # 0.34's standalone CPU runner: V2's sample, no batch_sharder
+        if sharded:
+            pytest.skip("the standalone CPU runner does not shard its sampler")
+        cpu = pytest.importorskip(
+            worker_nans.CPU_RUNNER, reason="vLLM's standalone CPU runner comes with 0.34"
+        )
+        runner_class = cpu.StandaloneCPUModelRunner
+    else:
+        runner_class = v2.GPUModelRunner
     logits = _logits(7, {1: 1, 3: 2, 6: 5})
     per_row = logits.isnan().sum(dim=-1, dtype=torch.int32)  # what V2's get_num_nans gives
 
@@ -263,15 +273,16 @@ def test_v2_rejection_sampler_counts_are_summed_per_request(
         )
         return out, out.num_sampled, out.num_rejected
 
-    monkeypatch.setattr(v2.GPUModelRunner, "sample", stock_sample)
+    monkeypatch.setattr(runner_class, "sample", stock_sample)
     worker_nans.install()
     worker_nans.install()
-    runner = type("Runner", (), {"batch_sharder": object() if sharded else None})()
+    state = {"batch_sharder": object() if sharded else None} if which == "V2" else {}
+    runner = type("Runner", (), state)()
     # Requests own rows 0-3 (3 drafts), 4 (none) and 5-6 (1 draft).
-    out, _, _ = v2.GPUModelRunner.sample(runner, None, _V2Batch([0, 4, 5, 7]), None)
+    out, _, _ = runner_class.sample(runner, None, _V2Batch([0, 4, 5, 7]), None)
     assert out.num_nans.tolist() == (per_row.tolist() if sharded else [3, 0, 5])
     # No drafts: one row per request, the counts as vLLM took them.
-    out, _, _ = v2.GPUModelRunner.sample(runner, None, _V2Batch(list(range(8))), None)
+    out, _, _ = runner_class.sample(runner, None, _V2Batch(list(range(8))), None)
     assert out.num_nans.tolist() == per_row.tolist()
 
 

@@ -16,6 +16,7 @@ import torch  # noqa: E402
 
 from kvguard.adapters.vllm._compat import has_v1_model_runner  # noqa: E402
 from kvguard.adapters.vllm.pool.block_pool import GuardModeUnsupported  # noqa: E402
+from kvguard.adapters.vllm.workers import nans as worker_nans  # noqa: E402
 from kvguard.adapters.vllm.workers import slots as worker_slots  # noqa: E402
 from kvguard.results import SlotRange  # noqa: E402
 
@@ -87,7 +88,7 @@ def _runner_class(which: str) -> tuple[Any, str]:
 
         return v2.GPUModelRunner, "update_requests"
     cpu = pytest.importorskip(
-        worker_slots.CPU_RUNNER, reason="vLLM's standalone x86 CPU runner comes with 0.34"
+        worker_nans.CPU_RUNNER, reason="vLLM's standalone CPU runner comes with 0.34"
     )
     return cpu.StandaloneCPUModelRunner, "update_requests"
 

@@ -29,7 +29,7 @@ BLOCKS = 5
 
 def _cpu_zeroer_module() -> Any:
     return pytest.importorskip(
-        worker_zeroing.CPU_ZEROER_MODULE, reason="vLLM's x86 CPU block zeroer comes with 0.34"
+        worker_zeroing.CPU_ZEROER_MODULE, reason="the standalone CPU runner's zeroer: 0.34"
     )
 
 

@@ -178,8 +178,8 @@ _MISSING = {
     "nan_counting": f"it does not count NaN logits ({NAN_SETTING} is off there)",
     "per_request_nans": "its model runner counts NaN logits per row, not per request",
     "zeroer": "it did not build its KV block zeroer (quarantined blocks would be reused unwiped)",
-    "audit": 'its model runner cannot run the KV audit ("audit": true): vLLM 0.34\'s x86 CPU '
-    "runner has no audit, nor has a runner with an attention backend kvguard does not know",
+    "audit": 'its model runner cannot run the KV audit ("audit": true): its attention '
+    "backend's cache layout is one kvguard does not know",
 }
 """What each key of a worker's report missing means; ``audit`` is asked only of an
 engine with the KV audit on."""

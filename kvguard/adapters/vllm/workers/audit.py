@@ -19,7 +19,8 @@ quarantined) through the one path the scheduler already has:
   flagged (the scheduler's log names the cause). Asynchronous scheduling keeps the
   counts on the device: the flags are added there (no host synchronisation; the log
   then says "NaN logits or KV").
-* **V2** (``vllm.v1.worker.gpu.model_runner``): ``update_requests`` keeps the step's
+* **V2** (``vllm.v1.worker.gpu.model_runner``, and 0.34's standalone CPU runner
+  ``vllm.v1.worker.cpu.standalone_model_runner``): ``update_requests`` keeps the step's
   blocks, ``sample`` adds the flags to the sampler's per-request counts on the device.
 
 Which layout each layer's cache has, and how a scheduler block maps onto its kernel
@@ -28,12 +29,12 @@ blocks, is :func:`~kvguard.adapters.vllm.workers.caches.block_layouts`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
 from kvguard.adapters.vllm.workers.caches import block_layouts
-from kvguard.adapters.vllm.workers.nans import V1_RUNNER, V2_RUNNER
+from kvguard.adapters.vllm.workers.nans import CPU_RUNNER, V1_RUNNER, V2_RUNNER
 from kvguard.adapters.vllm.workers.runner_hooks import RunnerPatches, mark_wrapper
 
 AUDIT_FIELD = "kvguard_blocks_to_audit"
@@ -123,8 +124,14 @@ def _patch_v1(module: ModuleType) -> None:
     runner._bookkeeping_sync = mark_wrapper(_bookkeeping_sync, stock, _MARK)
 
 
-def _patch_v2(module: ModuleType) -> None:
-    runner = module.GPUModelRunner
+def _patch_v2(runner_class: str) -> Callable[[ModuleType], None]:
+    def patch(module: ModuleType) -> None:
+        _patch_v2_runner(getattr(module, runner_class))
+
+    return patch
+
+
+def _patch_v2_runner(runner: Any) -> None:
     stock_update = runner.update_requests
     stock_sample = runner.sample
     if getattr(stock_sample, _MARK, False):
@@ -150,7 +157,13 @@ def _patch_v2(module: ModuleType) -> None:
     runner.sample = mark_wrapper(sample, stock_sample, _MARK)
 
 
-PATCHES = RunnerPatches({V1_RUNNER: _patch_v1, V2_RUNNER: _patch_v2})
+PATCHES = RunnerPatches(
+    {
+        V1_RUNNER: _patch_v1,
+        V2_RUNNER: _patch_v2("GPUModelRunner"),
+        CPU_RUNNER: _patch_v2("StandaloneCPUModelRunner"),
+    }
+)
 
 
 def install() -> None:
@@ -166,8 +179,7 @@ def installed() -> bool:
 
 def runner_audits(runner: Any) -> bool:
     """Whether ``runner`` applies ``kvguard_blocks_to_audit``: its class has the patch
-    (vLLM 0.34's x86 CPU runner has none) and kvguard knows the layout of every one of
-    its attention caches."""
+    and kvguard knows the layout of every one of its attention caches."""
     from kvguard.adapters.vllm.pool.block_pool import GuardModeUnsupported
 
     method = "_bookkeeping_sync" if hasattr(type(runner), "_bookkeeping_sync") else "sample"

@@ -20,9 +20,11 @@ something broken). A step without draft rows runs vLLM's code unchanged:
   len(drafts)`` per request, in the input batch's order (``_prepare_inputs``). Should
   the logits not match that layout, every request is given the whole step's count:
   the safe side.
-* **V2** (``vllm.v1.worker.gpu.model_runner``): ``sample``'s per-row counts (the
-  rejection sampler's) are summed with the batch's ``cu_num_logits``. With the sampler
-  sharded across ranks vLLM's gather already sums per request and is left alone.
+* **V2** (``vllm.v1.worker.gpu.model_runner``, and 0.34's standalone CPU runner
+  ``vllm.v1.worker.cpu.standalone_model_runner``, a V2 runner of its own): ``sample``'s
+  per-row counts (the rejection sampler's) are summed with the batch's
+  ``cu_num_logits``. With the sampler sharded across ranks vLLM's gather already sums
+  per request and is left alone.
 
 Neither adds a host synchronisation: the row layout goes to the device the way vLLM
 copies its own (``async_tensor_h2d``), and the sums are device-side gathers
@@ -44,7 +46,7 @@ loading plugins), or at once if it already was. Idempotent.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -52,6 +54,11 @@ from kvguard.adapters.vllm.workers.runner_hooks import RunnerPatches, mark_wrapp
 
 V1_RUNNER = "vllm.v1.worker.gpu_model_runner"
 V2_RUNNER = "vllm.v1.worker.gpu.model_runner"
+CPU_RUNNER = "vllm.v1.worker.cpu.standalone_model_runner"
+"""vLLM 0.34's standalone CPU runner (``StandaloneCPUModelRunner``: CPUs without Triton,
+or a platform that asks for it): a Model Runner V2 of its own, not a subclass of the V2
+GPU runner (0.34's CPU runner with Triton is one, patched as such), with V2's
+``update_requests`` and ``sample``."""
 _MARK = "_kvguard_per_request_nans"
 
 
@@ -149,28 +156,38 @@ def _patch_v1(module: ModuleType) -> None:
     runner._get_nans_in_logits = _get_nans_in_logits
 
 
-def _patch_v2(module: ModuleType) -> None:
-    runner = module.GPUModelRunner
-    if getattr(runner.sample, _MARK, False):
-        return
-    from kvguard.kernels import sum_rows_per_request
+def _patch_v2(runner_class: str) -> Callable[[ModuleType], None]:
+    """The patch of a V2 runner (the GPU one, 0.34's standalone CPU one): ``sample``'s per-row
+    counts summed per request with the batch's ``cu_num_logits`` when a request owns
+    several rows. (The CPU runner lays out one row per request -- it has no drafts --
+    and keeps vLLM's counts; the patch stands should it grow them.)"""
 
-    stock_sample = runner.sample
+    def patch(module: ModuleType) -> None:
+        runner = getattr(module, runner_class)
+        if getattr(runner.sample, _MARK, False):
+            return
+        from kvguard.kernels import sum_rows_per_request
 
-    def sample(self: Any, hidden_states: Any, input_batch: Any, *args: Any, **kw: Any) -> Any:
-        result = stock_sample(self, hidden_states, input_batch, *args, **kw)
-        sampler_output = result[0]
-        per_row = sampler_output.num_nans
-        if (
-            per_row is not None
-            and self.batch_sharder is None  # sharded: vLLM's gather sums per request
-            and (input_batch.num_draft_tokens or per_row.shape[0] != input_batch.num_reqs)
-        ):
-            sampler_output.num_nans = sum_rows_per_request(per_row, input_batch.cu_num_logits)
-        return result
+        stock_sample = runner.sample
 
-    _mark(sample, stock_sample)
-    runner.sample = sample
+        def sample(self: Any, hidden_states: Any, input_batch: Any, *args: Any, **kw: Any) -> Any:
+            result = stock_sample(self, hidden_states, input_batch, *args, **kw)
+            sampler_output = result[0]
+            per_row = sampler_output.num_nans
+            drafts: int = getattr(input_batch, "num_draft_tokens", 0)  # (none on CPU)
+            if (
+                per_row is not None
+                # sharded: vLLM's gather sums per request
+                and getattr(self, "batch_sharder", None) is None
+                and (drafts or per_row.shape[0] != input_batch.num_reqs)
+            ):
+                sampler_output.num_nans = sum_rows_per_request(per_row, input_batch.cu_num_logits)
+            return result
+
+        _mark(sample, stock_sample)
+        runner.sample = sample
+
+    return patch
 
 
 def _mark(patched: Any, stock: Any) -> None:
@@ -178,4 +195,10 @@ def _mark(patched: Any, stock: Any) -> None:
     mark_wrapper(patched, stock, _MARK)
 
 
-PATCHES = RunnerPatches({V1_RUNNER: _patch_v1, V2_RUNNER: _patch_v2})
+PATCHES = RunnerPatches(
+    {
+        V1_RUNNER: _patch_v1,
+        V2_RUNNER: _patch_v2("GPUModelRunner"),
+        CPU_RUNNER: _patch_v2("StandaloneCPUModelRunner"),
+    }
+)

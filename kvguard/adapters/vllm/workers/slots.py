@@ -5,7 +5,7 @@ The guarded scheduler sends them with the next step as
 end) in the scheduler's blocks. :func:`install` (run by kvguard's plugin in every
 process vLLM starts) makes the model runners wipe them at the start of the step, where
 they zero ``new_block_ids_to_zero``: V1's ``_update_states`` (0.32, 0.33), V2's
-``update_requests`` and that of 0.34's x86 CPU runner. Every layer of a cache layout is
+``update_requests`` and that of 0.34's standalone CPU runner. Every layer of a cache layout is
 wiped in one launch of kvguard's ``zero_slots`` (its torch reference on CPU); the other
 tokens of a block -- a partial block's validated prefix -- keep every byte.
 
@@ -23,7 +23,7 @@ from types import ModuleType
 from typing import Any
 
 from kvguard.adapters.vllm.workers.caches import slot_layouts
-from kvguard.adapters.vllm.workers.nans import V1_RUNNER, V2_RUNNER
+from kvguard.adapters.vllm.workers.nans import CPU_RUNNER, V1_RUNNER, V2_RUNNER
 from kvguard.adapters.vllm.workers.runner_hooks import RunnerPatches, mark_wrapper
 from kvguard.results import SlotRange
 
@@ -72,9 +72,6 @@ def _patch(cls: str, method: str) -> Callable[[ModuleType], None]:
 
     return patch
 
-
-CPU_RUNNER = "vllm.v1.worker.cpu.standalone_model_runner"
-"""vLLM 0.34's x86 CPU runner (not a subclass of the V2 GPU runner)."""
 
 PATCHES = RunnerPatches(
     {

