@@ -76,6 +76,13 @@ ENV = {
 }
 
 
+def _platform_plugins() -> list[str]:
+    """The names of the installed ``vllm.platform_plugins`` entry points."""
+    from importlib.metadata import entry_points
+
+    return [ep.name for ep in entry_points(group="vllm.platform_plugins")]
+
+
 def build_model(directory: str) -> str:
     """A tiny random-weight Llama (fp32, safetensors) in ``directory``."""
     import torch
@@ -219,14 +226,17 @@ class Engine:
     ) -> None:
         # Stock is vLLM without kvguard's plugin; the guarded engine loads only it (and
         # so does a pass-through one, with the guard off).
+        # vLLM's platform plugins (VLLM_PLUGINS names them too) are the machine, not a
+        # feature: both engines load them (the e2e tests' vLLM 0.34 CPU platform).
+        platforms = ",".join(_platform_plugins())
         plugins = {
-            "VLLM_PLUGINS": "kvguard",
+            "VLLM_PLUGINS": ",".join(filter(None, ["kvguard", platforms])),
             "KVGUARD_GUARD": "1" if guard else "0",
             "KVGUARD_AUDIT": "1" if audit else "0",
         }
         if not plugin:
             plugins = {}
-        env = dict(os.environ, **ENV, VLLM_PLUGINS="", KVGUARD_GUARD="0", KVGUARD_AUDIT="0")
+        env = dict(os.environ, **ENV, VLLM_PLUGINS=platforms, KVGUARD_GUARD="0", KVGUARD_AUDIT="0")
         env.update(plugins)
         env["PYTHONHASHSEED"] = "0"  # the digest of the tokens compares across processes
         command = [sys.executable, __file__, "--worker", "--model", model, *args.passed]

@@ -392,11 +392,9 @@ def matchable_blocks(llm: Any) -> set[int]:
 
         matchable = (BlockState.PUBLISHED, BlockState.OFFLOADED)
         return {b.block_id for b in pool.blocks if b.state in matchable}
-    cached: set[int] = set()
-    for entry in pool.cached_block_hash_to_block._cache.values():
-        blocks = entry.values() if isinstance(entry, dict) else [entry]
-        cached.update(b.block_id for b in blocks)
-    return cached
+    # vLLM's cached blocks are those carrying a hash (set when a block is cached, reset
+    # when it is evicted), whatever its lookup map holds (blocks, or ids since 0.34).
+    return {b.block_id for b in pool.blocks if b.block_hash is not None and not b.is_null}
 
 
 def blocks_in_state(llm: Any, state_name: str) -> set[int]:

@@ -79,6 +79,7 @@ def undo_runner_patches_after(monkeypatch: pytest.MonkeyPatch) -> None:
         cpu_runner = cpu.StandaloneCPUModelRunner
         monkeypatch.setattr(cpu_runner, "update_requests", cpu_runner.update_requests)
         monkeypatch.setattr(cpu_runner, "sample", cpu_runner.sample)
+        monkeypatch.setattr(cpu_runner, "sample_tokens", cpu_runner.sample_tokens)
     if has_v1_model_runner():
         import vllm.v1.worker.gpu_model_runner as v1_runner
 

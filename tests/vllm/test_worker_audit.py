@@ -221,6 +221,45 @@ def test_v2_adds_the_findings_to_the_samplers_counts(
     assert worker_audit.runner_audits(real) is True
 
 
+def test_cpu_runner_tells_the_findings_apart_from_nan_logits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """0.34's standalone CPU runner reads its counts back in ``sample_tokens``: they come
+    back as :class:`AuditedCounts`, naming what the audit flagged (as V1's sync path)."""
+    undo_runner_patches_after(monkeypatch)
+    cls = _v2_runner_class("CPU")
+    batch = SimpleNamespace(req_ids=["a", "b", "c"])
+
+    def update_requests(self: Any, scheduler_output: Any) -> None:
+        return None
+
+    def sample(self: Any, hidden_states: Any, input_batch: Any, grammar: Any) -> Any:
+        nans = torch.tensor([1, 0, 0], dtype=torch.int32)  # a's logits: one NaN
+        return (SimpleNamespace(num_nans=nans), "num_sampled", "num_rejected")
+
+    def sample_tokens(self: Any, grammar_output: Any) -> Any:  # (vLLM's, in short)
+        sampled = cls.sample(self, None, batch, grammar_output)[0]
+        counts = dict(zip(batch.req_ids, sampled.num_nans.tolist(), strict=True))
+        return SimpleNamespace(num_nans_in_logits=counts)
+
+    for name, stand_in in [
+        ("update_requests", update_requests),
+        ("sample", sample),
+        ("sample_tokens", sample_tokens),
+    ]:
+        monkeypatch.setattr(cls, name, stand_in)
+    worker_audit.install()
+    runner = _runner()
+    _cache(runner, 1)[0, 2, 0, 0, 0] = float("inf")  # (FLASH_ATTN: [K|V, block, ...])
+    cls.update_requests(runner, SimpleNamespace(kvguard_blocks_to_audit={"a": [1], "b": [2]}))
+    counts = cls.sample_tokens(runner, None).num_nans_in_logits
+    assert isinstance(counts, AuditedCounts)
+    assert dict(counts) == {"a": 1, "b": 1, "c": 0} and counts.kv_audit == {"b": 1}
+    cls.update_requests(runner, SimpleNamespace())  # a step without: vLLM's plain counts
+    counts = cls.sample_tokens(runner, None).num_nans_in_logits
+    assert type(counts) is dict and counts == {"a": 1, "b": 0, "c": 0}
+
+
 # ---------------------------------------------------------------- the scheduler
 
 

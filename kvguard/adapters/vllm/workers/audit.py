@@ -22,6 +22,8 @@ quarantined) through the one path the scheduler already has:
 * **V2** (``vllm.v1.worker.gpu.model_runner``, and 0.34's standalone CPU runner
   ``vllm.v1.worker.cpu.standalone_model_runner``): ``update_requests`` keeps the step's
   blocks, ``sample`` adds the flags to the sampler's per-request counts on the device.
+  The CPU runner reads its counts back at once: they come back as
+  :class:`AuditedCounts`, as under V1's synchronous path.
 
 Which layout each layer's cache has, and how a scheduler block maps onto its kernel
 blocks, is :func:`~kvguard.adapters.vllm.workers.caches.block_layouts`.
@@ -148,20 +150,49 @@ def _patch_v2_runner(runner: Any) -> None:
         if blocks and counts is not None:
             self._kvguard_audit = None
             rows = {r: i for i, r in enumerate(input_batch.req_ids)}
+            audited = [r for r in blocks if r in rows]
             keep = [i for i, r in enumerate(blocks) if r in rows]
             flagged = audit_requests(self, blocks)[keep]
-            add_to_device_counts(counts, [rows[r] for r in blocks if r in rows], flagged)
+            add_to_device_counts(counts, [rows[r] for r in audited], flagged)
+            if flagged.device.type == "cpu":  # (read on the host for free: see below)
+                found = {r: n for r, n in zip(audited, flagged.tolist(), strict=True) if n}
+                self._kvguard_found = found
         return result
 
     runner.update_requests = mark_wrapper(update_requests, stock_update, _MARK)
     runner.sample = mark_wrapper(sample, stock_sample, _MARK)
 
 
+def _patch_cpu(module: ModuleType) -> None:
+    """0.34's standalone CPU runner: V2's patches, and its findings told apart from NaN
+    logits. That runner reads the step's counts back in ``sample_tokens``, right after
+    ``sample``, on the host: its output's counts become an :class:`AuditedCounts`
+    with what ``sample`` found, as V1's synchronous path gives them (the scheduler
+    counts ``requests_failed_audit`` and its log names the cause)."""
+    runner = module.StandaloneCPUModelRunner
+    _patch_v2_runner(runner)
+    stock = runner.sample_tokens
+    if getattr(stock, _MARK, False):
+        return
+
+    def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
+        self._kvguard_found = None
+        output = stock(self, *args, **kwargs)
+        found = self._kvguard_found
+        counts = getattr(output, "num_nans_in_logits", None)
+        if found is not None and counts is not None:
+            self._kvguard_found = None
+            output.num_nans_in_logits = _restore(counts, found)  # (the flags are in)
+        return output
+
+    runner.sample_tokens = mark_wrapper(sample_tokens, stock, _MARK)
+
+
 PATCHES = RunnerPatches(
     {
         V1_RUNNER: _patch_v1,
         V2_RUNNER: _patch_v2("GPUModelRunner"),
-        CPU_RUNNER: _patch_v2("StandaloneCPUModelRunner"),
+        CPU_RUNNER: _patch_cpu,
     }
 )
 
