@@ -27,6 +27,17 @@ import torch
 from kvguard_e2e_nan_model import ARCHITECTURE, GDN_ARCHITECTURE, MAMBA2_ARCHITECTURE
 from kvguard_e2e_nan_model.model import SPAN, TRIGGER
 
+from kvguard.adapters.vllm._compat import vllm_series
+
+SERIES = vllm_series()
+"""The vLLM series this venv's engine runs: (0, 32), vLLM's CPU build, or (0, 34), the
+CUDA wheel on the test-only CPU platform (tests/e2e/cpu_platform)."""
+BLOCK_ZEROING = (
+    "kvguard's zero_blocks" if SERIES >= (0, 34) else "vLLM's CPUModelRunner._zero_block_ids"
+)
+"""The workers' block zeroing, as the start-up line names it: each series' CPU runner
+keeps the zeroer measured faster there (kvguard.adapters.vllm.workers.zeroing)."""
+
 BLOCK = 32
 CHUNK = 64
 """max_num_batched_tokens: a prompt's prefill chunk k covers [64 (k-1), 64 k)."""

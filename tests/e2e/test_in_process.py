@@ -22,7 +22,9 @@ if HAVE_ENGINE:
     from .conftest import guard_in_this_process, in_process, kvguard_log, shutdown
     from .engine import (
         BLOCK,
+        BLOCK_ZEROING,
         ENGINE_KWARGS,
+        SERIES,
         Result,
         blocks_in_state,
         faults_fired,
@@ -236,18 +238,10 @@ def test_the_log_says_the_guard_is_in_force_and_names_each_aborted_request(
     assert START_UP_LOG["stock"] == []
     (start,) = START_UP_LOG["guarded"]
     assert start.levelno == logging.INFO
-    from kvguard.adapters.vllm._compat import vllm_series
-
-    series = vllm_series()
-    # Each series' CPU runner zeroes with the zeroer measured faster there
-    # (kvguard.adapters.vllm.workers.zeroing).
-    zeroing = (
-        "kvguard's zero_blocks" if series >= (0, 34) else "vLLM's CPUModelRunner._zero_block_ids"
-    )
-    assert start.getMessage().startswith(f"kvguard: guard in force (vLLM 0.{series[1]}.")
+    assert start.getMessage().startswith(f"kvguard: guard in force (vLLM 0.{SERIES[1]}.")
     assert start.getMessage().endswith(
         "GuardedScheduler): workers checked: 1 OK; zero policy: suspect (block zeroing: "
-        f"{zeroing}); KV audit: off; prefix caching: on; "
+        f"{BLOCK_ZEROING}); KV audit: off; prefix caching: on; "
         "connectors gated: none; KV cache groups guarded: 1 (FullAttentionSpec)"
     )
 

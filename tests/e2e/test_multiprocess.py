@@ -24,6 +24,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not HAVE_ENGINE, reason=SKIP_R
 if HAVE_ENGINE:
     from .conftest import shutdown
     from .engine import (
+        BLOCK_ZEROING,
         ENGINE_KWARGS,
         Result,
         apply_env,
@@ -178,9 +179,9 @@ CORE_PREFIX = re.compile(r"^\(EngineCore\S* pid=\d+\) INFO ")
 START_UP = re.compile(
     r"^\((?P<process>EngineCore\S*) pid=(?P<pid>\d+)\) INFO .* kvguard: guard in force "
     r"\(vLLM (?P<version>\S+), series (?P<series>\S+), GuardedScheduler\): workers "
-    r"checked: 1 OK; zero policy: suspect \(block zeroing: vLLM's "
-    r"CPUModelRunner\._zero_block_ids\); KV audit: off; prefix caching: on; connectors "
-    r"gated: none; KV cache groups guarded: 1 \(FullAttentionSpec\)$"
+    r"checked: 1 OK; zero policy: suspect \(block zeroing: (?P<zeroing>[^)]+)\); KV "
+    r"audit: off; prefix caching: on; connectors gated: none; KV cache groups guarded: 1 "
+    r"\(FullAttentionSpec\)$"
 )
 """kvguard's start-up line, as the engine core logs it (vLLM's prefix, then the text)."""
 ABORT = re.compile(
@@ -216,6 +217,7 @@ def test_the_engine_core_logs_the_start_up_line_and_one_warning_per_abort(
     assert starting, _shown("guarded")
     assert starting["version"] == vllm.__version__, _shown("guarded")
     assert starting["series"] == ".".join(vllm.__version__.split(".")[:2]), _shown("guarded")
+    assert starting["zeroing"] == BLOCK_ZEROING, _shown("guarded")
     core_pid = int(starting["pid"])
     assert core_pid != os.getpid(), _shown("guarded")  # logged by the engine core process
 

@@ -145,10 +145,23 @@ def _drop_nan_counts(worker: Any, drop: bool) -> None:
     """In the worker: its steps report no NaN counts (``num_nans_in_logits`` empty,
     what vLLM's runner returns when counting fails) while ``drop``."""
     runner = worker.model_runner
-    if drop:
+    if hasattr(type(runner), "_get_nans_in_logits"):  # V1 (0.32): where it counts
+        method, stock = "_get_nans_in_logits", None
+    else:  # 0.34's CPU runner: its output's counts, emptied
+        method, stock = "sample_tokens", type(runner).sample_tokens
+    if not drop:
+        runner.__dict__.pop(method, None)
+    elif stock is None:
         runner._get_nans_in_logits = lambda logits: {}
     else:
-        runner.__dict__.pop("_get_nans_in_logits", None)
+
+        def sample_tokens(*args: Any, **kwargs: Any) -> Any:
+            output = stock(runner, *args, **kwargs)
+            if output is not None:
+                output.num_nans_in_logits = {}
+            return output
+
+        runner.sample_tokens = sample_tokens
 
 
 def _prompts(seed: int, fault_at: int) -> tuple[list[int], list[int]]:

@@ -33,6 +33,7 @@ if HAVE_ENGINE:
     from .engine import (
         BLOCK,
         ENGINE_KWARGS,
+        SERIES,
         VOCAB,
         Result,
         faults_fired,
@@ -184,7 +185,12 @@ def test_structured_output_beside_a_nan_request(engines: dict[str, Any]) -> None
     assert j_out.num_cached_tokens == 128  # A's unchecked chunk-2 blocks
     assert j_out.token_ids != result(ref_j).token_ids  # grammar-valid, from NaN logits
     assert a_out.finish_reason == "length"
-    assert k_out.finish_reason != "error"
+    if SERIES < (0, 34):
+        # 0.32's sampler takes the masked row's argmax, NaN included: an allowed token.
+        assert k_out.finish_reason != "error"
+    # 0.34's CPU sampler never picks a NaN logit (a strict ">" scan from token 0): every
+    # allowed one is NaN, so it samples token 0, which the grammar rejects, and vLLM
+    # ends K with an error itself -- after sampling from NaN logits.
     a_out, j_out, k_out = out["guarded"]
     assert (a_out.token_ids, a_out.finish_reason) == ((), "error")
     assert j_out == Result(result(ref_j).token_ids, result(ref_j).finish_reason, 64)

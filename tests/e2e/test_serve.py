@@ -23,7 +23,7 @@ from .conftest import HAVE_ENGINE, SKIP_REASON
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not HAVE_ENGINE, reason=SKIP_REASON)]
 
 if HAVE_ENGINE:
-    from .engine import generate, tokens, trigger, with_token
+    from .engine import BLOCK_ZEROING, SERIES, generate, tokens, trigger, with_token
     from .server import ERROR_BODY, Server, server_env, serving, start
 
 
@@ -49,9 +49,9 @@ def test_the_guarded_engine_logs_one_start_up_line_and_stock_none(
     cache group. Stock (the plugin loaded, the guard not asked for): no kvguard line."""
     (line,) = servers["guarded"].log_lines("kvguard: guard in force")
     assert re.search(
-        r"^\(EngineCore\S* pid=\d+\) INFO .* kvguard: guard in force \(vLLM 0\.32\.\S+, "
-        r"series 0\.32, GuardedScheduler\): workers checked: 1 OK; zero policy: suspect "
-        r"\(block zeroing: vLLM's CPUModelRunner\._zero_block_ids\); KV audit: off; prefix "
+        rf"^\(EngineCore\S* pid=\d+\) INFO .* kvguard: guard in force \(vLLM 0\.{SERIES[1]}\.\S+, "
+        rf"series 0\.{SERIES[1]}, GuardedScheduler\): workers checked: 1 OK; zero policy: "
+        rf"suspect \(block zeroing: {re.escape(BLOCK_ZEROING)}\); KV audit: off; prefix "
         r"caching: on; connectors gated: none; KV cache groups guarded: 1 "
         r"\(FullAttentionSpec\)$",
         line,
