@@ -38,6 +38,8 @@ from typing import Any
 
 import pytest
 
+from .series import skip_reason
+
 HAVE_ENGINE = (
     importlib.util.find_spec("vllm") is not None
     and importlib.util.find_spec("kvguard_e2e_nan_model") is not None
@@ -85,10 +87,16 @@ VLLM_WARNINGS = [
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    series = ".".join(map(str, engine.SERIES)) if HAVE_ENGINE else None
     for item in items:
         if "tests/e2e/" in item.path.as_posix():
             for mark in VLLM_WARNINGS:
                 item.add_marker(mark)
+            # Each module runs on the series where it proves something (tests/e2e/series.py).
+            cls = getattr(getattr(item, "cls", None), "__name__", None)  # (a test class)
+            reason = series and skip_reason(item.path.name, cls, series)
+            if reason:
+                item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @contextlib.contextmanager

@@ -146,15 +146,21 @@ def per_rank_non_finite(llm: Any) -> list[set[int]]:
     return [{b for b, (non_finite, _) in scan.items() if non_finite} for scan in scans]
 
 
+def _step_start(runner: Any) -> str:
+    """Where a step starts in the worker, its ``SchedulerOutput`` in hand: V1's CPU runner
+    (0.32), or 0.34's standalone CPU runner (a V2 runner)."""
+    return "_update_states" if hasattr(type(runner), "_update_states") else "update_requests"
+
+
 def _record_fields(worker: Any) -> None:
     """In each worker: record what every step's ``SchedulerOutput`` carries for the
     workers -- vLLM's ``new_block_ids_to_zero`` and the attributes kvguard adds."""
     runner = worker.model_runner
     seen: list[dict[str, Any]] = []
     runner._kvguard_test_seen = seen
-    stock_update = type(runner)._update_states
+    stock_update = getattr(type(runner), _step_start(runner))
 
-    def _update_states(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+    def step_start(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         seen.append(
             {
                 "zero": list(scheduler_output.new_block_ids_to_zero or ()),
@@ -164,13 +170,13 @@ def _record_fields(worker: Any) -> None:
         )
         return stock_update(runner, scheduler_output, *args, **kwargs)
 
-    runner._update_states = _update_states
+    setattr(runner, _step_start(runner), step_start)
 
 
 def _recorded(worker: Any) -> list[dict[str, Any]]:
     runner = worker.model_runner
     seen = list(runner.__dict__.pop("_kvguard_test_seen", []))
-    runner.__dict__.pop("_update_states", None)
+    runner.__dict__.pop(_step_start(runner), None)
     return seen
 
 
