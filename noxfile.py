@@ -1,5 +1,5 @@
 """Developer sessions. `nox` runs tests, lint and mypy; `nox -s bench`, `nox -s vllm`,
-`nox -s vllm_cpu` and `nox -s docs` on demand."""
+`nox -s vllm_cpu`, `nox -s vllm_cpu_034` and `nox -s docs` on demand."""
 
 from __future__ import annotations
 
@@ -68,6 +68,16 @@ def vllm_cpu(session: nox.Session) -> None:
     env = {"HF_HUB_OFFLINE": "1"}
     session.run("python", "-m", "pytest", "-m", "e2e", "tests/e2e", *session.posargs, env=env)
     session.run("python", "-m", "pytest", "-m", "vllm", "tests/vllm", env=env)
+
+
+@nox.session
+def vllm_cpu_034(session: nox.Session) -> None:
+    """vLLM 0.34's real engine on CPU (its CUDA wheel on the test-only platform of
+    tests/e2e/cpu_platform, installed by .ci/install-vllm-cpu-0.34): the end-to-end
+    tests that run on 0.34 (tests/e2e/series.py)."""
+    session.run("bash", ".ci/install-vllm-cpu-0.34", external=True)
+    env = {"HF_HUB_OFFLINE": "1"}
+    session.run("python", "-m", "pytest", "-m", "e2e", "tests/e2e", *session.posargs, env=env)
 
 
 @nox.session
