@@ -38,7 +38,7 @@ from typing import Any
 
 import pytest
 
-from .series import skip_reason
+from .series import EVERY_SERIES, skip_reason
 
 HAVE_ENGINE = (
     importlib.util.find_spec("vllm") is not None
@@ -88,13 +88,14 @@ VLLM_WARNINGS = [
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     series = ".".join(map(str, engine.SERIES)) if HAVE_ENGINE else None
+    every_series = os.environ.get(EVERY_SERIES) == "1"
     for item in items:
         if "tests/e2e/" in item.path.as_posix():
             for mark in VLLM_WARNINGS:
                 item.add_marker(mark)
             # Each module runs on the series where it proves something (tests/e2e/series.py).
             cls = getattr(getattr(item, "cls", None), "__name__", None)  # (a test class)
-            reason = series and skip_reason(item.path.name, cls, series)
+            reason = series and skip_reason(item.path.name, cls, series, every_series)
             if reason:
                 item.add_marker(pytest.mark.skip(reason=reason))
 

@@ -145,15 +145,14 @@ def _drop_nan_counts(worker: Any, drop: bool) -> None:
     """In the worker: its steps report no NaN counts (``num_nans_in_logits`` empty,
     what vLLM's runner returns when counting fails) while ``drop``."""
     runner = worker.model_runner
-    if hasattr(type(runner), "_get_nans_in_logits"):  # V1 (0.32): where it counts
-        method, stock = "_get_nans_in_logits", None
-    else:  # 0.34's CPU runner: its output's counts, emptied
-        method, stock = "sample_tokens", type(runner).sample_tokens
+    v1 = hasattr(type(runner), "_get_nans_in_logits")  # 0.32: V1 counts there
+    method = "_get_nans_in_logits" if v1 else "sample_tokens"  # 0.34's CPU runner: output
     if not drop:
         runner.__dict__.pop(method, None)
-    elif stock is None:
+    elif v1:
         runner._get_nans_in_logits = lambda logits: {}
     else:
+        stock = type(runner).sample_tokens
 
         def sample_tokens(*args: Any, **kwargs: Any) -> Any:
             output = stock(runner, *args, **kwargs)
