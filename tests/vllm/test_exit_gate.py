@@ -103,3 +103,20 @@ def test_forgetting_a_request_drops_its_record() -> None:
     gate.forget_requests(keep=())
     assert not gate.clears("a", a.num_preemptions, BLOCK)
     assert gate.num_frontiers() == 0
+
+
+def test_a_copy_stored_again_keeps_the_cores_record_of_its_blocks() -> None:
+    """The tier stores a copy it holds again (the same name, the same blocks): the gate's
+    record and the core's both still name its blocks, and both let them go once."""
+    s, a, gate = _running()
+    table = _table(s, "a")
+    tier_gate = s.kv_cache_manager.block_pool.core.tier_gate
+    key = group_key(a.block_hashes[0], 0)
+    for _ in range(2):
+        tickets = gate.open_all(table[:1])
+        assert not isinstance(tickets, int)
+        assert gate.settle("chunk", tickets)
+        assert tier_gate.tier_copies(key) == ("cpu",)
+        assert gate.recorded() == {"chunk": (key,)}
+    assert gate.forget(["chunk"]) == 1
+    assert tier_gate.tier_copies(key) == ()

@@ -440,12 +440,12 @@ class ExitGate:
         """The tier holds ``copy``, a copy of the blocks of these keys (registered with
         the core through :meth:`settle`, or acknowledged one by one)."""
         old = self._copies.get(copy)
-        if old is not None:
-            self._release(old)
         self._copies[copy] = keys
         holders = self._holders
         for key in keys:
             holders[key] = holders.get(key, 0) + 1
+        if old is not None:  # (after: a key both hold keeps kvguard's record of it)
+            self._release(old)
 
     def holds(self, copy: Any) -> bool:
         """Whether the record names ``copy``."""
