@@ -36,6 +36,8 @@ from kvguard.kernels import (
     LayoutKind,
     audit_blocks,
     count_nonfinite_per_request,
+    seal_blocks,
+    seal_blocks_ref,
     zero_blocks,
     zero_slots,
 )
@@ -176,6 +178,11 @@ def _layout_rows(
     t_audit = bench.time(lambda: audit_blocks(layout, ids))
     bench.report("audit_blocks", nbytes, t_audit, bench.time(torch_audit))
 
+    # seal_blocks: each block's 64-bit fingerprint across layers (reads every byte once),
+    # against the torch path on the same device.
+    t_seal = bench.time(lambda: seal_blocks(layout, ids))
+    bench.report("seal_blocks", nbytes, t_seal, bench.time(lambda: seal_blocks_ref(layout, ids)))
+
 
 # Launch-shape grids for --sweep: module -> {constant: candidate values}.
 SWEEP_GRIDS: dict[str, dict[str, list[object]]] = {
@@ -187,6 +194,11 @@ SWEEP_GRIDS: dict[str, dict[str, list[object]]] = {
     },
     "audit_blocks": {
         "ELEMENTS_PER_ITEM": [4096, 8192, 16384, 32768],
+        "NUM_WARPS": [4, 8, 16],
+        "NUM_STAGES": [1, 3],
+    },
+    "seal_blocks": {
+        "ELEMENTS_PER_ITEM": [2048, 4096, 8192, 16384],
         "NUM_WARPS": [4, 8, 16],
         "NUM_STAGES": [1, 3],
     },
@@ -265,6 +277,12 @@ def _sweep_all(bench: Bench, sizes: tuple[int, int, int, int], quick: bool) -> N
         flash.bytes_per_block * ids.numel(),
     )
     _sweep(bench, "audit_blocks", [audit_load], quick)
+    seal_load = (
+        "flash_attn",
+        lambda: seal_blocks(flash, ids),
+        flash.bytes_per_block * ids.numel(),
+    )
+    _sweep(bench, "seal_blocks", [seal_load], quick)
     rows, vocab = (512, 128_256) if device.type == "cuda" and not quick else (4, 64)
     logits = torch.randn(rows, vocab, device=device)
     cu_rows = torch.arange(0, rows + 1, 2, device=device)

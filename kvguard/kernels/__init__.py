@@ -9,6 +9,7 @@ kvguard`` never imports this package.
 * :func:`count_nonfinite_per_request` — per-request NaN (and ±Inf) counts of logits;
   :func:`sum_rows_per_request` for counts already taken per row.
 * :func:`audit_blocks` — per-block "holds a non-finite value" flags.
+* :func:`seal_blocks` — per-block 64-bit fingerprints across layers (seals).
 * :class:`CacheWiper` — drains a pool's zeroing queues; ``zero_request_tail``.
 """
 
@@ -21,6 +22,7 @@ from kvguard.kernels.count_nonfinite import (
     sum_rows_per_request,
 )
 from kvguard.kernels.layout import KVCacheLayout, LayoutError, LayoutKind, Region
+from kvguard.kernels.seal_blocks import seal_blocks, seal_blocks_ref
 from kvguard.kernels.wiper import CacheWiper, FlushResult, TailWipe, ZeroingSource
 from kvguard.kernels.zero_blocks import zero_blocks, zero_blocks_ref
 from kvguard.kernels.zero_slots import slot_ids, zero_slots, zero_slots_ref
@@ -43,6 +45,8 @@ __all__ = [
     "count_nonfinite_per_request",
     "count_nonfinite_per_request_ref",
     "resolve_backend",
+    "seal_blocks",
+    "seal_blocks_ref",
     "slot_ids",
     "sum_rows_per_request",
     "zero_blocks",
