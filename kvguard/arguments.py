@@ -137,6 +137,23 @@ def id_list(values: object) -> list[int]:
     return _listed("block_ids", values)
 
 
+_INT64 = range(-(1 << 63), 1 << 63)
+
+
+def seals(values: object) -> dict[int, int]:
+    """``validate_blocks``' ``seals``: a mapping of block id (int) to seal (an int64)."""
+    if not isinstance(values, Mapping):
+        raise PoolMisuseError(f"seals must be a dict of block id -> seal, got {got(values)}")
+    out: dict[int, int] = {}
+    for key, value in values.items():
+        if type(key) is not int or isinstance(key, bool):
+            raise PoolMisuseError(f"seals is keyed by block id (int), got {got(key)}")
+        if type(value) is not int or value not in _INT64:
+            raise PoolMisuseError(f"block {key}: a seal is an int in int64 range, got {got(value)}")
+        out[key] = value
+    return out
+
+
 _BYTES = frozenset({bytes})
 
 

@@ -119,6 +119,7 @@ class BlockSteps:
         self,
         block_ids: Iterable[int],
         publish: Mapping[int, PendingPublication] | None = None,
+        seals: Mapping[int, int] | None = None,
     ) -> BlockValidation:
         """The step that wrote these blocks passed (each id once per step).
 
@@ -129,10 +130,18 @@ class BlockSteps:
         before this call (entries for ids not validated here are ignored). Both count
         as deferred publications.
 
+        ``seals``: block id -> the seal the step's workers took of the block's KV
+        (:func:`kvguard.kernels.seal_blocks`), recorded with each block that becomes
+        VALIDATED here: its tier copies carry it (:attr:`StoreTicket.seal`), and a load
+        of one is verified against it. A block this call names without a seal (or does
+        not validate: another step still writes it) keeps none.
+
         Runtime: one checking pass and one applying pass over the ids; one result
         object per call (callers batch a whole step's blocks into one call).
         """
         ids = self._ids(block_ids)
+        if seals is not None:
+            seals = arguments.seals(seals)
         if publish is not None and (type(publish) is not dict or publish):
             publish = arguments.publications(publish)
             if publish and not self._kernel.enable_caching:
@@ -143,9 +152,30 @@ class BlockSteps:
         try:
             validated, published, duplicates = self._kernel.validate_held(ids, publish)
         except UnknownBlockError:
-            checked = self._checked_ids(ids)
-            validated, published, duplicates = self._kernel.validate_held(checked, publish)
+            ids = self._checked_ids(ids)
+            validated, published, duplicates = self._kernel.validate_held(ids, publish)
+        if seals or self._core.seals:
+            self._record_seals(ids, validated, seals or {})
         return BlockValidation(tuple(validated), tuple(published), tuple(duplicates))
+
+    def _record_seals(
+        self, named: list[int], validated: list[int], seals: Mapping[int, int]
+    ) -> None:
+        """After a validation: each block named loses the seal it had (its bytes were
+        written again), and each one validated with a seal records it."""
+        recorded = self._core.seals
+        for block_id in named:
+            recorded.pop(block_id, None)
+        if not seals:
+            return
+        blocks = self._kernel.blocks
+        sealed = 0
+        for block_id in validated:
+            seal = seals.get(block_id)
+            if seal is not None:
+                recorded[block_id] = (blocks[block_id].generation, seal)
+                sealed += 1
+        self._kernel.counters.blocks_sealed += sealed
 
     def fail_blocks(self, block_ids: Iterable[int]) -> tuple[int, ...]:
         """A step that wrote these blocks failed (or can never be validated).

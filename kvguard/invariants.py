@@ -170,6 +170,11 @@ def check_pool(pool: BlockPool) -> None:
     for ticket in pool._core.tiers.tickets.values():
         if not 0 <= ticket.block_id < pool.num_blocks:
             add(f"store ticket {ticket.ticket_id} names block {ticket.block_id}")
+    # A tier copy's seal belongs to a copy the tier holds.
+    copies = pool._core.tiers.copies
+    for block_hash, tier in pool._core.tiers.seals:
+        if tier not in copies.get(block_hash, ()):
+            add(f"tier {tier!r} has a seal for {block_hash.hex()} but no copy of it")
 
     if problems:
         raise InvariantViolation(
@@ -220,6 +225,9 @@ class PoolSnapshot:
     tier_copies: tuple[tuple[BlockHash, tuple[str, ...]], ...]
     tainted: tuple[BlockHash, ...]
     counters: Counters
+    seals: tuple[tuple[int, tuple[int, int]], ...] = ()
+    """Per block id: (generation, seal) as recorded at validation."""
+    tier_seals: tuple[tuple[tuple[BlockHash, str], int], ...] = ()
 
 
 def take_snapshot(pool: BlockPool) -> PoolSnapshot:
@@ -262,4 +270,6 @@ def take_snapshot(pool: BlockPool) -> PoolSnapshot:
         ),
         tainted=tuple(sorted(pool._kernel.tainted)),
         counters=dataclasses.replace(pool._kernel.counters),
+        seals=tuple(sorted(pool._core.seals.items())),
+        tier_seals=tuple(sorted(pool._core.tiers.seals.items())),
     )

@@ -102,6 +102,7 @@ _MUTATORS = (
 _READERS = (
     "block_hash",
     "block_info",
+    "block_seal",
     "block_state",
     "block_table",
     "cached_block_id",
@@ -115,6 +116,7 @@ _READERS = (
     "stats",
     "storable_blocks",
     "tier_copies",
+    "tier_seal",
 )
 # The mutators the pool implements itself (the others are its façades' methods).
 _OWN_MUTATORS = tuple(
@@ -382,8 +384,9 @@ class BlockPool:
         self,
         block_ids: Iterable[int],
         publish: Mapping[int, PendingPublication] | None = None,
+        seals: Mapping[int, int] | None = None,
     ) -> BlockValidation:
-        return self._block_steps.validate_blocks(block_ids, publish)
+        return self._block_steps.validate_blocks(block_ids, publish, seals)
 
     @_contract(BlockSteps.fail_blocks)
     def fail_blocks(self, block_ids: Iterable[int]) -> tuple[int, ...]:
@@ -432,6 +435,14 @@ class BlockPool:
     @_contract(TierGate.tier_copies)
     def tier_copies(self, block_hash: BlockHash) -> tuple[str, ...]:
         return self._tier_gate.tier_copies(block_hash)
+
+    @_contract(TierGate.block_seal)
+    def block_seal(self, block_id: int) -> int | None:
+        return self._tier_gate.block_seal(block_id)
+
+    @_contract(TierGate.tier_seal)
+    def tier_seal(self, block_hash: BlockHash, tier: str) -> int | None:
+        return self._tier_gate.tier_seal(block_hash, tier)
 
     @_contract(TierGate.invalidate)
     def invalidate(

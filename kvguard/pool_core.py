@@ -17,6 +17,7 @@ from kvguard.block import Block
 from kvguard.errors import PoolMisuseError, RequestAbortedError, UnknownRequestError
 from kvguard.hashing import BlockHasher, default_block_hasher
 from kvguard.request_record import RequestRecord
+from kvguard.states import STORABLE_STATES
 from kvguard.tiers import TierLedger
 from kvguard.transition_kernel import TransitionKernel
 from kvguard.zeroing import ZeroPolicy
@@ -29,7 +30,7 @@ def _cdiv(a: int, b: int) -> int:
 class PoolCore:
     """The shared state of the façades; see :class:`kvguard.BlockPool` for the API."""
 
-    __slots__ = ("block_size", "hasher", "kernel", "num_blocks", "requests", "tiers")
+    __slots__ = ("block_size", "hasher", "kernel", "num_blocks", "requests", "seals", "tiers")
 
     def __init__(
         self,
@@ -76,6 +77,22 @@ class PoolCore:
         )
         self.requests: dict[str, RequestRecord] = {}
         self.tiers = TierLedger()
+        self.seals: dict[int, tuple[int, int]] = {}
+        """Block id -> (its generation, its seal) as recorded when a step validated it
+        (``validate_blocks(..., seals=...)``). A seal holds while the block keeps that
+        generation and stays VALIDATED or later (:meth:`seal_of`); every later
+        validation of the block records its own seal, or none."""
+
+    def seal_of(self, block: Block) -> int | None:
+        """The block's seal, or None (never sealed, or its bytes changed since)."""
+        recorded = self.seals.get(block.block_id)
+        if (
+            recorded is None
+            or recorded[0] != block.generation
+            or block.state not in STORABLE_STATES
+        ):
+            return None
+        return recorded[1]
 
     def record(self, request_id: str) -> RequestRecord:
         try:

@@ -107,6 +107,9 @@ class StoreTicket:
     block_hash: BlockHash
     generation: int
     tier: str
+    seal: int | None = None
+    """The block's seal (the fingerprint of its validated KV), or None: unsealed. The
+    copy carries it, and a load of the copy is verified against it."""
 
 
 @dataclass(frozen=True, slots=True)

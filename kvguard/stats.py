@@ -63,6 +63,9 @@ class Counters:
     lookup_query_tokens: int = 0
     """Tokens the lookups asked for (capped by ``max_tokens``): the hit rate's
     denominator (``PoolStats.prefix_hit_rate``)."""
+    blocks_sealed: int = 0
+    """Blocks validated with a seal (``validate_blocks(..., seals=...)``): the
+    fingerprint of the KV the validation vouched for, carried by their tier copies."""
 
     @property
     def withheld_publications(self) -> int:

@@ -87,7 +87,9 @@ class TierGate:
                 "(storable_blocks() lists a request's)"
             )
         self._kernel.counters.stores_started += 1
-        return self._tiers.issue(block_id, block.block_hash, block.generation, tier)
+        return self._tiers.issue(
+            block_id, block.block_hash, block.generation, tier, self._core.seal_of(block)
+        )
 
     def _retire(self, ticket: StoreTicket) -> None:
         if type(ticket) is not StoreTicket:
@@ -113,7 +115,7 @@ class TierGate:
             kernel.counters.dropped_acks += 1
             return False
         parent = kernel.blocks[ticket.block_id].parent_hash
-        self._tiers.add_copy(ticket.block_hash, parent, ticket.tier)
+        self._tiers.add_copy(ticket.block_hash, parent, ticket.tier, ticket.seal)
         kernel.counters.stores_acknowledged += 1
         return True
 
@@ -127,6 +129,18 @@ class TierGate:
         return self._tiers.drop_copy(
             arguments.block_hash("block_hash", block_hash), arguments.tier(tier)
         )
+
+    def block_seal(self, block_id: int) -> int | None:
+        """The seal recorded when the block's KV was validated, or None: never sealed,
+        or its bytes changed since (written again, released, quarantined)."""
+        return self._core.seal_of(self._core.block(block_id))
+
+    def tier_seal(self, block_hash: BlockHash, tier: str) -> int | None:
+        """The seal ``tier``'s acknowledged copy of ``block_hash`` carries (None: the
+        tier holds none, or an unsealed one). A load of the copy whose KV does not
+        give this seal is not the validated KV: :meth:`invalidate` the hash."""
+        key = (arguments.block_hash("block_hash", block_hash), arguments.tier(tier))
+        return self._tiers.seals.get(key)
 
     def tier_copies(self, block_hash: BlockHash) -> tuple[str, ...]:
         """Tiers holding an acknowledged copy of ``block_hash``."""

@@ -253,6 +253,10 @@ KINDS: dict[str, Callable[[object], bool]] = {
     "hit": lambda v: v is None,  # only lookup() makes hits
     "ticket": lambda v: False,  # only begin_store() makes tickets
     "publish": lambda v: v is None or v == {},
+    "seals": lambda v: (
+        v is None
+        or (isinstance(v, dict) and all(type(k) is int and type(x) is int for k, x in v.items()))
+    ),
     "tails": lambda v: (
         isinstance(v, dict) and all(type(k) is int and type(x) is int for k, x in v.items())
     ),
@@ -305,7 +309,11 @@ def entry_points(w: World) -> dict[str, dict[str, tuple[str, object]]]:
         "acquire_blocks": {"block_ids": ("ids", [pub[0]])},
         "release_blocks": {"block_ids": ("ids", ext), "steps_passed": ("flag", False)},
         "write_blocks": {"block_ids": ("ids", ext)},
-        "validate_blocks": {"block_ids": ("ids", ext), "publish": ("publish", None)},
+        "validate_blocks": {
+            "block_ids": ("ids", ext),
+            "publish": ("publish", None),
+            "seals": ("seals", None),
+        },
         "fail_blocks": {"block_ids": ("ids", ext)},
         "publish_block": {
             "block_id": ("count", ext[0]),
@@ -319,6 +327,8 @@ def entry_points(w: World) -> dict[str, dict[str, tuple[str, object]]]:
         "fail_store": {"ticket": ("ticket", w.ticket)},
         "forget_tier_copy": {"tier": ("tier", "cpu"), "block_hash": ("hash", h)},
         "tier_copies": {"block_hash": ("hash", h)},
+        "tier_seal": {"block_hash": ("hash", h), "tier": ("tier", "cpu")},
+        "block_seal": {"block_id": ("count", 0)},
         "invalidate": {"block_hashes": ("hashes", [h]), "descendants": ("flag", True)},
         "reset_prefix_cache": {"keep_held": ("ids", ())},
         "block_info": {"block_id": ("count", 0)},

@@ -166,7 +166,7 @@ INTEGER_ARGS = [
 
 
 def test_the_integer_sweep_covers_every_int_argument() -> None:
-    assert len(INTEGER_ARGS) == 20
+    assert len(INTEGER_ARGS) == 21
     valid = entry_points(World())
     for method, arg in INTEGER_ARGS:
         value = INT_VALUES.get((method, arg), valid[method][arg][1])

@@ -382,7 +382,14 @@ def test_store_tickets_are_frozen_store_tickets_and_equal_copies_are_accepted() 
     assert type(ticket) is StoreTicket
     fields = dataclasses.astuple(ticket)
     assert ticket == StoreTicket(*fields) and hash(ticket) == hash(StoreTicket(*fields))
-    assert fields == (ticket.ticket_id, block, pool.block_hash(block), ticket.generation, "cpu")
+    assert fields == (
+        ticket.ticket_id,
+        block,
+        pool.block_hash(block),
+        ticket.generation,
+        "cpu",
+        None,
+    )
     with pytest.raises(dataclasses.FrozenInstanceError):
         ticket.generation += 1  # type: ignore[misc]
     # The pool accepts the ticket it issued, or an equal copy of it (e.g. unpickled).

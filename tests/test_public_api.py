@@ -85,6 +85,7 @@ def test_readers_change_nothing() -> None:
     arguments = {
         "block_hash": (held,),
         "block_info": (held,),
+        "block_seal": (held,),
         "block_state": (held,),
         "block_table": ("r",),
         "cached_block_id": (block_hash,),
@@ -92,6 +93,7 @@ def test_readers_change_nothing() -> None:
         "progress": ("r",),
         "storable_blocks": ("r",),
         "tier_copies": (block_hash,),
+        "tier_seal": (block_hash, "default"),
     }
     for name in _READERS:
         before = pool.snapshot()
