@@ -4,7 +4,7 @@ Sources, first match wins: ``VllmConfig.additional_config["kvguard"]`` (a dict, 
 ``--additional-config '{"kvguard": {"zero_policy": "all"}}'``), then environment
 variables ``KVGUARD_GUARD`` (``0`` = pass-through), ``KVGUARD_ZERO_POLICY``
 (``suspect``/``all``/``none``), ``KVGUARD_AUDIT`` (``1`` = the KV audit),
-``KVGUARD_CHECK_INVARIANTS``.
+``KVGUARD_SEAL`` (``1`` = seals), ``KVGUARD_CHECK_INVARIANTS``.
 
 Also what start-up in this process found, recorded by the plugin
 (:mod:`kvguard.adapters.vllm.plugin`) and read by the guarded scheduler, so that the
@@ -49,12 +49,16 @@ class GuardConfig:
     """The KV audit: workers scan the blocks each step fills for NaN and infinities
     (one launch per step), and a request whose filled blocks hold one fails that step
     as for NaN logits -- finite logits do not prove finite KV."""
+    seal: bool = False
+    """Seals: workers fingerprint the blocks each step fills (one launch per step), and
+    the pool records each block's seal when the step validates; copies carry it, and a
+    load is verified against it (docs/vllm-reference.md, "Seals")."""
     check_invariants: bool = False
     """Walk kvguard's whole pool after every mutation (tests, debugging)."""
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> GuardConfig:
-        unknown = set(values) - {"enabled", "zero_policy", "audit", "check_invariants"}
+        unknown = set(values) - {"enabled", "zero_policy", "audit", "seal", "check_invariants"}
         if unknown:
             raise GuardConfigError(f"unknown kvguard settings: {sorted(unknown)}")
         try:
@@ -68,6 +72,7 @@ class GuardConfig:
             enabled=bool(values.get("enabled", True)),
             zero_policy=policy,
             audit=bool(values.get("audit", False)),
+            seal=bool(values.get("seal", False)),
             check_invariants=bool(values.get("check_invariants", False)),
         )
 
@@ -78,6 +83,7 @@ class GuardConfig:
                 "enabled": environ.get("KVGUARD_GUARD", "1") not in ("0", "", "false"),
                 "zero_policy": environ.get("KVGUARD_ZERO_POLICY", ZeroPolicy.SUSPECT.value),
                 "audit": environ.get("KVGUARD_AUDIT", "0") not in ("0", "", "false"),
+                "seal": environ.get("KVGUARD_SEAL", "0") not in ("0", "", "false"),
                 "check_invariants": environ.get("KVGUARD_CHECK_INVARIANTS", "0") not in ("0", ""),
             }
         )

@@ -288,6 +288,7 @@ _FRONT_END_HELP = {
     "blocks_published": "Blocks published to the prefix cache after validation",
     "stores_started": "Tier stores started for validated blocks",
     "stores_acknowledged": "Tier stores acknowledged",
+    "blocks_sealed": "Blocks validated with the workers' seal of their KV",
 }
 
 

@@ -70,6 +70,7 @@ from kvguard.adapters.vllm.config import (
 from kvguard.adapters.vllm.exits.coverage import GATED, MODULE_PATH
 from kvguard.adapters.vllm.workers import audit as worker_audit
 from kvguard.adapters.vllm.workers import nans as worker_nans
+from kvguard.adapters.vllm.workers import seals as worker_seals
 from kvguard.adapters.vllm.workers import slots as worker_slots
 from kvguard.adapters.vllm.workers import zeroing as worker_zeroing
 
@@ -108,6 +109,7 @@ def activate(*, by_config: bool = False) -> None:
     worker_nans.install()
     worker_slots.install()
     worker_audit.install()
+    worker_seals.install()
     worker_zeroing.install()
     _active = True
     note_activated(by_config=by_config)
@@ -169,6 +171,7 @@ def _worker_report(wrapper: Any) -> dict[str, bool | str]:
         and bool(kv_cache_config.needs_kv_cache_zeroing)
         and worker_zeroes_blocks(runner),
         "audit": runner is not None and worker_audit.runner_audits(runner),
+        "seal": runner is not None and worker_seals.runner_seals(runner),
         "zeroing": worker_zeroing.zeroing_in_use(runner),
     }
 
@@ -180,9 +183,12 @@ _MISSING = {
     "zeroer": "it did not build its KV block zeroer (quarantined blocks would be reused unwiped)",
     "audit": 'its model runner cannot run the KV audit ("audit": true): its attention '
     "backend's cache layout is one kvguard does not know",
+    "seal": 'its model runner cannot seal the KV it writes ("seal": true): only V1\'s '
+    "runner (vLLM 0.32/0.33, and vLLM's CPU build) and 0.34's standalone CPU runner read "
+    "a step's counts back on the host, and kvguard must know every attention cache's layout",
 }
-"""What each key of a worker's report missing means; ``audit`` is asked only of an
-engine with the KV audit on."""
+"""What each key of a worker's report missing means; ``audit`` and ``seal`` are asked
+only of an engine with the KV audit or seals on."""
 
 
 def check_workers(collective_rpc: Any, vllm_config: Any) -> None:
@@ -206,7 +212,9 @@ def check_workers(collective_rpc: Any, vllm_config: Any) -> None:
             "kvguard's vLLM plugin did not run in that worker process. Install kvguard "
             "wherever vLLM runs a worker, and keep 'kvguard' in VLLM_PLUGINS if it is set."
         ) from exc
-    asked = [key for key in _MISSING if key != "audit" or guard_config(vllm_config).audit]
+    guard = guard_config(vllm_config)
+    optional = {"audit": guard.audit, "seal": guard.seal}
+    asked = [key for key in _MISSING if optional.get(key, True)]
     problems = [
         f"worker {rank}: {_MISSING[key]}"
         for rank, report in enumerate(reports)
@@ -321,11 +329,12 @@ def _patch_connector_cls() -> None:
 
 
 def _patch_engine_core_utility() -> None:
-    """``kvguard_invalidate_tokens`` on vLLM's ``EngineCore``, callable from the front
-    end as any engine-core utility (``engine_core.call_utility(...)`` on a
-    multiprocess client; a plain call in-process): KV of a token prefix found corrupt
-    after the fact is invalidated in the engine and purged from every gated tier.
-    Returns the counts (what crosses the process boundary)."""
+    """``kvguard_invalidate_tokens`` and ``kvguard_stats`` on vLLM's ``EngineCore``,
+    callable from the front end as any engine-core utility
+    (``engine_core.call_utility(...)`` on a multiprocess client; a plain call
+    in-process): KV of a token prefix found corrupt after the fact is invalidated in the
+    engine and purged from every gated tier (returns the counts: what crosses the
+    process boundary); the guard's counters, read."""
     from vllm.v1.engine.core import EngineCore
 
     if getattr(EngineCore, "kvguard_invalidate_tokens", None) is not None:
@@ -349,6 +358,18 @@ def _patch_engine_core_utility() -> None:
         }
 
     EngineCore.kvguard_invalidate_tokens = kvguard_invalidate_tokens
+
+    def kvguard_stats(self: Any) -> dict[str, int]:
+        """The guard's counters in this engine core (``GuardedScheduler.kvguard_stats``)."""
+        stats = getattr(self.scheduler, "kvguard_stats", None)
+        if stats is None:
+            raise GuardConfigError(
+                "kvguard_stats: this engine runs vLLM's own scheduler (the guard is off)"
+            )
+        result: dict[str, int] = stats()
+        return result
+
+    EngineCore.kvguard_stats = kvguard_stats
 
 
 def _patch_fault_handler() -> None:

@@ -36,7 +36,7 @@ Static sink and HiSparse groups are refused at install time
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -292,13 +292,16 @@ class GuardedBlockPool(BlockPool):
         pending = self.pending
         return [copy for copy in copies if copy[1] in pending]  # (not released since)
 
-    def validate_fills(self, block_ids: Sequence[int]) -> BlockValidation:
+    def validate_fills(
+        self, block_ids: Sequence[int], seals: Mapping[int, int] | None = None
+    ) -> BlockValidation:
         """The steps that filled ``block_ids`` produced finite logits for their
         requests: kvguard validates the blocks and publishes those it holds a
-        publication for (:attr:`pending`)."""
+        publication for (:attr:`pending`); ``seals``, what the workers' seals of
+        them are (block id -> seal), recorded with each (unsealed without)."""
         pending = self.pending
         publications = {b: pending.pop(b) for b in block_ids if b in pending} if pending else None
-        result = self._block_steps.validate_blocks(block_ids, publications)
+        result = self._block_steps.validate_blocks(block_ids, publications, seals)
         events = self.held_events
         if events:  # vLLM's KV events are on
             blocks = self.blocks

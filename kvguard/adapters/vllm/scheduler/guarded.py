@@ -90,12 +90,15 @@ class _StepVerdict(_GuardStartUp):
         scheduled = scheduler_output.num_scheduled_tokens
         self._kvguard_take_cached(scheduled)
         record = ledger.seal(scheduler_output, scheduled)
-        if self._kvguard_audit and record.fills:
+        if (self._kvguard_audit or self._kvguard_seal) and record.fills:
             # The blocks this step publishes once it validates (a copy: the record's
             # lists change as requests leave, while a worker may still read these).
             fills = {r: list(ids) for r, ids in record.fills.items()}
-            scheduler_output.kvguard_blocks_to_audit = fills
-            self.kvguard_metrics.blocks_audited += sum(map(len, fills.values()))
+            if self._kvguard_audit:
+                scheduler_output.kvguard_blocks_to_audit = fills
+                self.kvguard_metrics.blocks_audited += sum(map(len, fills.values()))
+            if self._kvguard_seal:
+                scheduler_output.kvguard_blocks_to_seal = fills
         if self._kvguard_slots:  # after recover(): wiped before this step's forward
             scheduler_output.kvguard_slots_to_zero = self._kvguard_slots
             self._kvguard_slots = []
@@ -171,7 +174,8 @@ class _StepVerdict(_GuardStartUp):
                     continue
                 ids += filled
             if ids:
-                pool.validate_fills(ids)
+                # (With seals on, the workers' seals of the step's fills ride on the counts.)
+                pool.validate_fills(ids, getattr(nans, "seals", None))
         for req_id in suspect:
             # Computed on KV that failed to load: vLLM recomputes or fails the request
             # itself; what this step filled is never trusted.

@@ -23,6 +23,7 @@ require_supported_vllm()
 import vllm  # noqa: E402
 import vllm.envs as envs  # noqa: E402
 from vllm.logger import init_logger  # noqa: E402
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager  # noqa: E402
 
 from kvguard.adapters.vllm.config import (  # noqa: E402
@@ -79,11 +80,28 @@ def guard_for(vllm_config: Any) -> GuardConfig:
     return guard
 
 
-def refuse_audit_for_layout(parallel_config: Any) -> None:
-    """The KV audit only where one worker holds all of the KV: each worker audits the
-    KV it holds (its heads under tensor parallelism, its layers under pipeline or its
-    tokens under context parallelism), but vLLM's executor returns one worker's
-    per-request counts (the first of the last pipeline stage) and drops the others'."""
+def refuse_seals(vllm_config: Any, async_scheduling: bool) -> None:
+    """Seals only where a worker reads the step's counts back on the host (synchronous
+    scheduling) and holds all of the KV (one worker per engine): the seals ride on
+    those counts, and each worker could fingerprint only the KV it holds."""
+    if async_scheduling:
+        raise GuardModeUnsupported(
+            'kvguard\'s seals ("seal": true) need synchronous scheduling: under '
+            "asynchronous scheduling the workers keep each step's NaN counts on the "
+            "device, and the seals that ride on them would cost a host synchronisation "
+            "every step. Drop --async-scheduling, or switch seals off."
+        )
+    refuse_audit_for_layout(vllm_config.parallel_config, 'seals ("seal": true)')
+
+
+def refuse_audit_for_layout(
+    parallel_config: Any, feature: str = 'KV audit ("audit": true)'
+) -> None:
+    """The KV audit (or seals) only where one worker holds all of the KV: each worker
+    audits the KV it holds (its heads under tensor parallelism, its layers under
+    pipeline or its tokens under context parallelism), but vLLM's executor returns one
+    worker's per-request counts (the first of the last pipeline stage) and drops the
+    others'."""
     sizes = {
         name: int(getattr(parallel_config, name, 1) or 1)
         for name in (
@@ -97,13 +115,12 @@ def refuse_audit_for_layout(parallel_config: Any) -> None:
         return
     layout = ", ".join(f"{name}={size}" for name, size in sizes.items() if size > 1)
     raise GuardModeUnsupported(
-        f"kvguard's KV audit (\"audit\": true) cannot cover this engine's parallel layout "
-        f"({layout}): each worker audits only the KV it holds, and vLLM returns the "
+        f"kvguard's {feature} cannot cover this engine's parallel layout "
+        f"({layout}): each worker reads only the KV it holds, and vLLM returns the "
         "per-request counts of one worker alone (the first of the last pipeline stage), "
-        "so non-finite KV in another worker's share would be published unseen. Switch the "
-        "audit off (NaN logits are checked, and quarantined blocks zeroed, on every rank "
-        "without it), or run the audit with one worker per engine (data parallelism keeps "
-        "it)."
+        "so another worker's share would go unchecked. Switch it off (NaN logits are "
+        "checked, and quarantined blocks zeroed, on every rank without it), or run one "
+        "worker per engine (data parallelism keeps it)."
     )
 
 
@@ -192,6 +209,8 @@ class _GuardStartUp:
             )
         if guard.audit:
             refuse_audit_for_layout(self.vllm_config.parallel_config)
+        if guard.seal:
+            refuse_seals(self.vllm_config, isinstance(self, AsyncScheduler))
         # Requests being finished because their step failed (never settled clean).
         self._kvguard_failing: dict[str, int] = {}
         # Requests that left after a clean step, whose blocks are not released yet.
@@ -212,6 +231,8 @@ class _GuardStartUp:
         self._kvguard_on_fault = False
         # The KV audit: the workers scan the blocks each step fills.
         self._kvguard_audit = guard.audit
+        # Seals: the workers fingerprint the blocks each step fills.
+        self._kvguard_seal = guard.seal
         # The blocks vLLM cached, per step in flight (and what else waits): the
         # scheduler's alone, fed from the pool's outbox (_kvguard_take_cached).
         self._kvguard_ledger = StepLedger(settles=self._kvguard_fill_settled)
@@ -246,7 +267,7 @@ class _GuardStartUp:
         groups = [type(m.kv_cache_spec).__name__ for m in managers]
         logger.info(
             "kvguard: guard in force (vLLM %s, series %s, %s): workers checked: %s; "
-            "zero policy: %s (block zeroing: %s); KV audit: %s; prefix caching: %s; "
+            "zero policy: %s (block zeroing: %s); KV audit: %s; seals: %s; prefix caching: %s; "
             "connectors gated: %s; KV cache groups guarded: %d (%s)",
             vllm.__version__,
             series_of(vllm.__version__),
@@ -257,6 +278,7 @@ class _GuardStartUp:
             self.kvguard_pool.guard.zero_policy.value,
             workers_zeroing(self.vllm_config) or "not checked",
             "on" if self._kvguard_audit else "off",
+            "on" if self._kvguard_seal else "off",
             "on" if self.kv_cache_manager.enable_caching else "off",
             ", ".join(gated) or "none",
             len(groups),

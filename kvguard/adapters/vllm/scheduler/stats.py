@@ -29,5 +29,6 @@ class _Stats(_GuardStartUp):
         out["blocks_published"] = counters.blocks_published
         out["stores_started"] = counters.stores_started
         out["stores_acknowledged"] = counters.stores_acknowledged
+        out["blocks_sealed"] = counters.blocks_sealed
         out.update(connector_counters(self) or {})
         return out

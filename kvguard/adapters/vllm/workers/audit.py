@@ -46,26 +46,42 @@ _MARK = "_kvguard_audits_kv"
 
 
 class AuditedCounts(dict[str, int]):
-    """Per-request NaN counts with the KV audit's findings added: ``kv_audit`` maps each
-    request the audit flagged to its blocks holding NaN or an infinity."""
+    """Per-request NaN counts with what the worker found besides: ``kv_audit`` maps each
+    request the KV audit flagged to its blocks holding NaN or an infinity (added to its
+    count), ``seals`` each block the step filled to its seal
+    (:mod:`kvguard.adapters.vllm.workers.seals`)."""
 
     kv_audit: dict[str, int]
+    seals: dict[int, int]
 
     def __init__(self, counts: Mapping[str, int], kv_audit: dict[str, int]) -> None:
         super().__init__(counts)
         self.kv_audit = kv_audit
+        self.seals = {}
         for req_id, flagged in kv_audit.items():
             self[req_id] = self.get(req_id, 0) + flagged
 
-    def __reduce__(self) -> Any:  # (dict's own pickling would drop kv_audit)
-        return _restore, (dict(self), self.kv_audit)
+    def __reduce__(self) -> Any:  # (dict's own pickling would drop the attributes)
+        return _restore, (dict(self), self.kv_audit, self.seals)
 
 
-def _restore(counts: dict[str, int], kv_audit: dict[str, int]) -> AuditedCounts:
+def _restore(
+    counts: dict[str, int], kv_audit: dict[str, int], seals: dict[int, int] | None = None
+) -> AuditedCounts:
     """An :class:`AuditedCounts` from its counts with the findings already added."""
     restored = AuditedCounts(counts, {})
     restored.kv_audit = kv_audit
+    restored.seals = seals or {}
     return restored
+
+
+def with_seals(counts: Mapping[str, int], seals: dict[int, int]) -> AuditedCounts:
+    """``counts`` (plain, or with the audit's findings) carrying ``seals`` too."""
+    if isinstance(counts, AuditedCounts):
+        out = _restore(dict(counts), counts.kv_audit, seals)
+    else:
+        out = _restore(dict(counts), {}, seals)
+    return out
 
 
 def audit_requests(runner: Any, blocks: Mapping[str, Sequence[int]]) -> Any:
