@@ -112,6 +112,9 @@ STORAGE_COUNTERS = {
     "storage_folders_purged": (
         "Shared-storage folders deleted: a hash invalidated, or a step on their KV failed"
     ),
+    "storage_loads_refused": (
+        "Shared-storage loads refused: the folder was unreadable or did not verify by its seals"
+    ),
 }
 """The guarded example (shared-storage) connector's counters, with their help."""
 

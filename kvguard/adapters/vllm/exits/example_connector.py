@@ -25,6 +25,15 @@ This subclass keeps the workers' copy where it is made, but out of sight:
 * **Purged by hash**: a hash :meth:`GuardedBlockPool.invalidate
   <kvguard.adapters.vllm.pool.block_pool.GuardedBlockPool.invalidate>` taints deletes every
   folder recorded to hold it (:mod:`kvguard.adapters.vllm.exits.tier_purge`).
+* **Sealed, and verified on load** (seals on: ``{"kvguard": {"seal": true}}``): a
+  committed store's folder carries its blocks' keys and seals (``kvguard-seals.json``,
+  taken when their step validated). A worker loads each request's folder on its own; the
+  folder is refused -- a failed load, whose blocks vLLM's ``kv_load_failure_policy``
+  recomputes or fails, every other request proceeding -- when it cannot be read
+  (truncated, missing, misshapen: vLLM's own load would kill the engine), carries no
+  seals, or its loaded KV does not give them (the bytes rotted, it holds another
+  prefix's KV, or another model, dtype or layout wrote it). A refused folder is
+  deleted, counted (``storage_loads_refused``) and logged with the request.
 
 kvguard gates the stores by block hashes, which vLLM computes with prefix caching on:
 with it off the guarded scheduler refuses this connector at start-up. Without kvguard's
@@ -35,7 +44,9 @@ inside a ``MultiConnector``.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import os
 import shutil
 from collections.abc import Iterable, Sequence
@@ -51,7 +62,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (  # 
 )
 from vllm.logger import init_logger  # noqa: E402
 
-from kvguard.adapters.vllm.config import GuardConfigError  # noqa: E402
+from kvguard.adapters.vllm.config import GuardConfigError, guard_config  # noqa: E402
 from kvguard.adapters.vllm.exits.gate import ExitGate, PendingExit, group_key  # noqa: E402
 from kvguard.adapters.vllm.metrics import STORAGE_COUNTERS  # noqa: E402
 from kvguard.adapters.vllm.pool.block_pool import GuardedBlockPool  # noqa: E402
@@ -66,6 +77,20 @@ TIER = "vllm-example-storage"
 _STAGING = ".kvguard-"
 """Marks a staging folder: ``<folder>.kvguard-<pid>-<n>`` (no lookup names it)."""
 
+SEALS_FILE = "kvguard-seals.json"
+"""In a committed folder: ``{"prefix": <hex>, "seals": [<int>, ...]}``, a digest of the
+tokens (and multimodal hashes) it holds the KV of (:func:`prefix_digest`) and the seal
+of each of its blocks, in order: a load verifies both, so a folder filed under another
+prefix is refused even with its own seals. (Tokens, not block hashes: vLLM's hashes
+are seeded per process unless ``PYTHONHASHSEED`` is set, and instances differ.)"""
+
+
+def prefix_digest(token_ids: Any, mm_hashes: Sequence[str]) -> str:
+    """What a folder's KV is of: a digest of its tokens and multimodal hashes."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(json.dumps([list(map(int, token_ids)), list(mm_hashes)]).encode())
+    return digest.hexdigest()
+
 
 @dataclass(slots=True)
 class _Pending:
@@ -76,6 +101,8 @@ class _Pending:
     folder: str
     staging: str | None
     exit: PendingExit
+    prefix: str
+    """:func:`prefix_digest` of what the folder holds."""
 
 
 class GuardedExampleConnector(ExampleConnector):
@@ -97,8 +124,12 @@ class GuardedExampleConnector(ExampleConnector):
         self._kvguard_new: dict[str, Any] = {}
         self._kvguard_pending: list[_Pending] = []
         self._kvguard_names = (f"{_STAGING}{os.getpid()}-{n}" for n in itertools.count())
-        # Worker side: the staging folder of the store being written, if any.
+        # Worker side: the staging folder of the store being written, if any; whether
+        # loads are verified by their seals; blocks whose load was refused since the
+        # last report (get_block_ids_with_load_errors).
         self._kvguard_into: str | None = None
+        self._kvguard_verify = guard_config(vllm_config).seal
+        self._kvguard_refused: set[int] = set()
 
     # ------------------------------------------------------------------ binding
 
@@ -134,6 +165,72 @@ class GuardedExampleConnector(ExampleConnector):
         finally:
             meta.requests = requests
             self._kvguard_into = None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        # vLLM's load, one request at a time: a folder that cannot be read, or (seals
+        # on) does not verify, fails that request's load alone.
+        meta = self._get_connector_metadata()
+        requests = meta.requests
+        try:
+            for request in requests:
+                if request.is_store:
+                    continue
+                meta.requests = [request]
+                folder = str(
+                    super()._generate_foldername_debug(request.token_ids, request.mm_hashes)
+                )
+                try:
+                    super().start_load_kv(forward_context, **kwargs)
+                    problem = self._kvguard_check_load(request, folder)
+                except Exception as exc:  # a copy that cannot be read fails its load alone
+                    problem = f"cannot be read ({type(exc).__name__}: {exc})"
+                if problem is not None:
+                    self._kvguard_refuse_load(request, folder, problem)
+        finally:
+            meta.requests = requests
+
+    def _kvguard_check_load(self, request: Any, folder: str) -> str | None:
+        """Why the KV just loaded for ``request`` is not the sealed KV (None: it is, or
+        seals are off)."""
+        if not self._kvguard_verify:
+            return None
+        from kvguard.adapters.vllm.workers.seals import process_runner, seal_step
+
+        runner = process_runner()
+        if runner is None:
+            return "no sealing model runner in this worker"
+        try:
+            with open(os.path.join(folder, SEALS_FILE)) as f:
+                stored = json.load(f)
+            prefix, expected = stored["prefix"], list(stored["seals"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            return f"carries no readable seals ({type(exc).__name__})"
+        block_ids = _block_ids(request.slot_mapping.tolist(), self._block_size)
+        if prefix != prefix_digest(request.token_ids.tolist(), request.mm_hashes):
+            return "holds the KV of another prefix"
+        if len(expected) != len(block_ids):
+            return f"holds seals for another number of blocks than the {len(block_ids)} loaded"
+        got = seal_step(runner, {"": block_ids})
+        bad = [i for i, block_id in enumerate(block_ids) if got[block_id] != expected[i]]
+        if bad:
+            return f"does not verify: block(s) {bad} of {len(block_ids)} differ from their seals"
+        return None
+
+    def _kvguard_refuse_load(self, request: Any, folder: str, problem: str) -> None:
+        """Fail the request's load (vLLM's ``kv_load_failure_policy`` decides), and
+        delete the folder: it is not the validated KV."""
+        self._kvguard_refused.update(_block_ids(request.slot_mapping.tolist(), self._block_size))
+        shutil.rmtree(folder, ignore_errors=True)
+        logger.warning(
+            "kvguard: KV loaded from %s (tier %s) %s; the load fails and the folder is deleted",
+            folder,
+            TIER,
+            problem,
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        refused, self._kvguard_refused = self._kvguard_refused, set()
+        return refused | set(super().get_block_ids_with_load_errors())
 
     def _generate_foldername_debug(
         self, token_ids: Any, mm_hashes: list[str], create_folder: bool = False
@@ -190,9 +287,7 @@ class GuardedExampleConnector(ExampleConnector):
     def _kvguard_pend(self, request: Any, entry: Any) -> _Pending | None:
         """The pending record of a metadata entry (a store gets its staging folder), or
         None if the request has no block hash for a block the entry covers."""
-        block_size = self._block_size
-        slots = entry.slot_mapping.tolist()
-        block_ids = [s // block_size for s in slots[::block_size]]
+        block_ids = _block_ids(entry.slot_mapping.tolist(), self._block_size)
         keys = [group_key(h, 0) for h in request.block_hashes[: len(block_ids)]]
         if len(keys) < len(block_ids):
             return None
@@ -201,16 +296,35 @@ class GuardedExampleConnector(ExampleConnector):
         if entry.is_store:
             staging = entry.kvguard_staging = f"{folder}{next(self._kvguard_names)}"
         exit_ = self.kvguard_gate.pend(block_ids, keys)
-        return _Pending(request.request_id, folder, staging, exit_)
+        prefix = prefix_digest(entry.token_ids.tolist(), entry.mm_hashes)
+        return _Pending(request.request_id, folder, staging, exit_, prefix)
 
-    def kvguard_settle_stores(self) -> None:
-        """After an output was processed: commit what validated, delete what failed."""
+    def kvguard_settle_stores(self, connector_output: Any = None) -> None:
+        """After a step's output (``connector_output``: its connector report) was
+        processed: count and name the loads the workers refused, commit what
+        validated, delete what failed."""
         pending = self._kvguard_pending
         gate = self.kvguard_gate
         if not pending or gate.pool is None:
             return
+        invalid = getattr(connector_output, "invalid_block_ids", None)
         waiting: list[_Pending] = []
         for item in pending:
+            if invalid and item.staging is None and not invalid.isdisjoint(item.exit.block_ids):
+                # A load the worker refused (unreadable, or not verified by its seals):
+                # it deleted the folder; the record goes, and the refusal is counted
+                # and named with its request here, where the request is known.
+                gate.count("storage_loads_refused")
+                logger.warning(
+                    "kvguard: request %s: the KV it loaded from %s (tier %s) was refused "
+                    "(the worker's log says why); vLLM's kv_load_failure_policy decides "
+                    "whether it recomputes or fails, and the folder is deleted",
+                    item.request_id,
+                    item.folder,
+                    TIER,
+                )
+                self._kvguard_delete(item.folder)
+                continue
             verdict = gate.verdict(item.exit)
             if verdict is True:
                 self._kvguard_commit(item)
@@ -229,6 +343,10 @@ class GuardedExampleConnector(ExampleConnector):
             self._kvguard_fail(item)
             return
         if item.staging is not None:
+            seals = [ticket.seal for ticket in tickets]
+            if None not in seals:  # (a folder partly unsealed carries none)
+                with open(os.path.join(item.staging, SEALS_FILE), "w") as f:
+                    json.dump({"prefix": item.prefix, "seals": seals}, f)
             try:
                 os.rename(item.staging, item.folder)
             except OSError:  # another store of this prompt is in place already
@@ -274,6 +392,11 @@ class GuardedExampleConnector(ExampleConnector):
         for folder in sorted(holding):
             self._kvguard_delete(folder)
         return [h for h in hashes if h in held]
+
+
+def _block_ids(slots: list[int], block_size: int) -> list[int]:
+    """The blocks a store or load entry covers, in order (its slots: whole blocks)."""
+    return [slot // block_size for slot in slots[::block_size]]
 
 
 def _take_match(candidates: list[Any], token_ids: list[int]) -> Any:

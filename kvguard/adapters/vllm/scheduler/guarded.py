@@ -131,16 +131,6 @@ class _StepVerdict(_GuardStartUp):
         metrics = self.kvguard_metrics
         dropped = record.dropped
         requests = self.requests
-        # A clean step (the common case) costs one C-level pass over the counts.
-        failed = (
-            {
-                r: c
-                for r, c in nans.items()
-                if c and r in scheduled and r not in dropped and r in requests
-            }
-            if any(nans.values())
-            else {}
-        )
         if self._kvguard_poisoned_loads[0] or self._kvguard_poisoned_loads[1]:
             self._kvguard_report_poisoned_loads(model_runner_output)
         connector_output = model_runner_output.kv_connector_output
@@ -148,6 +138,18 @@ class _StepVerdict(_GuardStartUp):
             self._kvguard_load_failures(connector_output, record)
             if connector_output is not None
             else _NONE
+        )
+        # A clean step (the common case) costs one C-level pass over the counts. (A
+        # request whose load failed is vLLM's to recompute or fail -- its step's output
+        # is dropped -- whatever its count: NaN there came from the KV that failed.)
+        failed = (
+            {
+                r: c
+                for r, c in nans.items()
+                if c and r in scheduled and r not in dropped and r in requests and r not in suspect
+            }
+            if any(nans.values())
+            else {}
         )
         waiting = self._kvguard_unchecked
         if waiting:  # a step counted clean vouches for the earlier unchecked ones
@@ -197,7 +199,7 @@ class _StepVerdict(_GuardStartUp):
         # Stores waiting for this step's verdict (GuardedExampleConnector) are
         # committed or deleted now, before vLLM counts the step in its stats.
         for settle_stores in self._kvguard_settle_stores:
-            settle_stores()
+            settle_stores(connector_output)
         # The blocks vLLM caches while it processes the output are validated with it
         # when every write into them reported clean (the ledger's ``settles``: taken
         # before a request leaves, and here), else carried to the request's next step.

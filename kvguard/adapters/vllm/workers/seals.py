@@ -43,6 +43,16 @@ SEAL_FIELD = "kvguard_blocks_to_seal"
 _MARK = "_kvguard_seals_kv"
 
 
+_process_runner: list[Any] = []
+"""The model runner of this worker process, once the guard checked it seals
+(:func:`runner_seals`): what a connector's worker side seals loaded KV with."""
+
+
+def process_runner() -> Any | None:
+    """This worker process's sealing model runner, or None (seals off, or not a worker)."""
+    return _process_runner[0] if _process_runner else None
+
+
 def runner_salt(runner: Any) -> list[int]:
     """One salt per block layout of ``runner`` (:func:`block_layouts`, in order): a hash
     of the model, and of the layout's kind, dtype, shape and strides, and of its place
@@ -157,6 +167,7 @@ def runner_seals(runner: Any) -> bool:
         block_layouts(runner)
     except GuardModeUnsupported:
         return False
+    _process_runner[:] = [runner]
     return True
 
 
