@@ -155,27 +155,8 @@ class BlockSteps:
             ids = self._checked_ids(ids)
             validated, published, duplicates = self._kernel.validate_held(ids, publish)
         if seals or self._core.seals:
-            self._record_seals(ids, validated, seals or {})
+            self._core.record_seals(ids, validated, seals or {})
         return BlockValidation(tuple(validated), tuple(published), tuple(duplicates))
-
-    def _record_seals(
-        self, named: list[int], validated: list[int], seals: Mapping[int, int]
-    ) -> None:
-        """After a validation: each block named loses the seal it had (its bytes were
-        written again), and each one validated with a seal records it."""
-        recorded = self._core.seals
-        for block_id in named:
-            recorded.pop(block_id, None)
-        if not seals:
-            return
-        blocks = self._kernel.blocks
-        sealed = 0
-        for block_id in validated:
-            seal = seals.get(block_id)
-            if seal is not None:
-                recorded[block_id] = (blocks[block_id].generation, seal)
-                sealed += 1
-        self._kernel.counters.blocks_sealed += sealed
 
     def fail_blocks(self, block_ids: Iterable[int]) -> tuple[int, ...]:
         """A step that wrote these blocks failed (or can never be validated).

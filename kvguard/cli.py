@@ -79,7 +79,7 @@ def _integer(minimum: int | None = None) -> Callable[[str], int]:
 
 
 _SIM_POLICIES = ("eager", "defer-zero-all", "kvguard", "kvguard-audit")
-_SIM_FAULTS = ("kv", "logits", "rank", "kv-late")
+_SIM_FAULTS = ("kv", "logits", "rank", "kv-late", "tier")
 _SIM_SCENARIOS = ("default", "ci")
 
 
@@ -153,7 +153,8 @@ def _add_simulate(sub: argparse._SubParsersAction[_Parser]) -> None:
         default=None,
         help="comma-separated fault kinds: kv (NaN K/V in the forward pass), logits (NaN "
         "logits), rank (a rank failure garbles the step's KV), kv-late (NaN stored after "
-        "attention read the KV: only the audit catches it) (default: kv,logits,rank)",
+        "attention read the KV: only the audit catches it), tier (a CPU-tier copy rots once "
+        "stored: only a load verified by its seal catches it) (default: kv,logits,rank)",
     )
     p.add_argument(
         "--sweep",

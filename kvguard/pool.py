@@ -329,8 +329,8 @@ class BlockPool:
         return self._request_steps.write(request_id, num_tokens)
 
     @_contract(RequestSteps.validate_step)
-    def validate_step(self, request_id: str) -> StepResult:
-        return self._request_steps.validate_step(request_id)
+    def validate_step(self, request_id: str, seals: Mapping[int, int] | None = None) -> StepResult:
+        return self._request_steps.validate_step(request_id, seals)
 
     @_contract(RequestSteps.fail_step)
     def fail_step(self, request_id: str) -> StepResult:

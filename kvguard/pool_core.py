@@ -12,6 +12,8 @@ name into a typed error. A façade reaches no other façade.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 from kvguard import arguments
 from kvguard.block import Block
 from kvguard.errors import PoolMisuseError, RequestAbortedError, UnknownRequestError
@@ -82,6 +84,26 @@ class PoolCore:
         (``validate_blocks(..., seals=...)``). A seal holds while the block keeps that
         generation and stays VALIDATED or later (:meth:`seal_of`); every later
         validation of the block records its own seal, or none."""
+
+    def record_seals(
+        self, named: Iterable[int], validated: Iterable[int], seals: Mapping[int, int]
+    ) -> None:
+        """After a validation: each block it named loses the seal it had (its bytes were
+        written again), and each one it validated with a seal in ``seals`` records it
+        (checked already)."""
+        recorded = self.seals
+        for block_id in named:
+            recorded.pop(block_id, None)
+        if not seals:
+            return
+        blocks = self.kernel.blocks
+        sealed = 0
+        for block_id in validated:
+            seal = seals.get(block_id)
+            if seal is not None:
+                recorded[block_id] = (blocks[block_id].generation, seal)
+                sealed += 1
+        self.kernel.counters.blocks_sealed += sealed
 
     def seal_of(self, block: Block) -> int | None:
         """The block's seal, or None (never sealed, or its bytes changed since)."""

@@ -8,7 +8,7 @@ alone when one of its steps fails.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from kvguard import arguments
 from kvguard.errors import (
@@ -353,9 +353,16 @@ class RequestSteps:
             blocks[b].generation == g for b, g in zip(hit.block_ids, hit.generations, strict=True)
         )
 
-    def validate_step(self, request_id: str) -> StepResult:
+    def validate_step(self, request_id: str, seals: Mapping[int, int] | None = None) -> StepResult:
         """The request's oldest in-flight step passed: its blocks become VALIDATED, and
-        full hashed ones PUBLISHED (a ``BlockStored`` event is emitted now)."""
+        full hashed ones PUBLISHED (a ``BlockStored`` event is emitted now).
+
+        ``seals``: block id -> the seal of the block's KV the step's engine took
+        (:func:`kvguard.kernels.seal_blocks`), recorded with each block this validation
+        covers, as :meth:`BlockSteps.validate_blocks` does; a covered block without one
+        keeps none."""
+        if seals is not None:
+            seals = arguments.seals(seals)
         rec = self._requests.get(request_id) if type(request_id) is str else None
         if rec is None or not rec.pending or rec.discarded or rec.aborted:
             rec, next_end = self._next_result(request_id, "validate")
@@ -373,6 +380,9 @@ class RequestSteps:
         # wrote into when no later step is in flight, else those it filled.
         last = (end - 1) // size if written <= end else end // size - 1
         kernel.validate(rec.blocks, start // size, last)
+        if seals or self._core.seals:
+            covered = rec.blocks[start // size : last + 1]
+            self._core.record_seals(covered, covered, seals or {})
         kernel.counters.steps_validated += 1
         published = self._publish_ready(rec)
         return StepResult(

@@ -294,7 +294,7 @@ def entry_points(w: World) -> dict[str, dict[str, tuple[str, object]]]:
             "hit": ("hit", None),
         },
         "write": {"request_id": ("request_id", "pending"), "num_tokens": ("count", 1)},
-        "validate_step": {"request_id": ("request_id", "pending")},
+        "validate_step": {"request_id": ("request_id", "pending"), "seals": ("seals", None)},
         "fail_step": {"request_id": ("request_id", "pending")},
         "free": {"request_id": ("request_id", "pending")},
         "block_table": {"request_id": ("request_id", "pending")},

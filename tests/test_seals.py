@@ -90,3 +90,20 @@ def test_bad_seals_are_refused_and_change_nothing(seals: object) -> None:
     with pytest.raises(PoolMisuseError, match="seal"):
         pool.validate_blocks([a], seals=seals)  # type: ignore[arg-type]
     assert pool.snapshot() == before
+
+
+def test_a_request_steps_validation_records_its_blocks_seals() -> None:
+    """The request-level form: ``validate_step(rid, seals=...)`` seals the blocks the
+    step covers; the next step's validation of a partial block replaces its seal."""
+    pool = BlockPool(8, 4)
+    pool.add_request("r", list(range(10)))
+    pool.allocate("r", 10, hit=pool.lookup("r"))
+    pool.write("r", 6)
+    a, b, c = pool.block_table("r")
+    pool.validate_step("r", seals={a: 1, b: 2, c: 3})  # c: not written yet, not covered
+    assert [pool.block_seal(x) for x in (a, b, c)] == [1, 2, None]
+    pool.write("r", 4)
+    pool.validate_step("r", seals={c: 30})  # b written again (tokens 4..7): unsealed now
+    assert [pool.block_seal(x) for x in (a, b, c)] == [1, None, 30]
+    assert pool.begin_store(a, "cpu").seal == 1  # full, published: its copies carry it
+    pool.check_invariants()

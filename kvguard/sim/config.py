@@ -30,6 +30,12 @@ class FaultKind(enum.Enum):
     """NaN written into one cached K/V slot *after* the layer's attention read it: the
     step's logits stay finite, so only a KV audit catches it (opt-in: it shows what the
     audit is for, and plain ``kvguard`` is expected to let it through)."""
+    TIER_ROT = "tier"
+    """The CPU-tier copy of the request's block holding the planned position rots once
+    stored: an exponent bit flips in every value of its first token's K and V in layer 0
+    (the values stay finite).
+    The request itself is untouched; whoever loads the copy later reads wrong KV that
+    no NaN check sees, unless the load is verified by the block's seal (opt-in kind)."""
 
 
 DEFAULT_FAULT_KINDS = (FaultKind.KV_NAN, FaultKind.LOGITS_NAN, FaultKind.RANK_FAILURE)
@@ -54,6 +60,10 @@ class Policy:
     handler), and one that publishes at schedule time does not notice the failure."""
     guarded: bool = True
     """A kvguard policy: any corruption escape under it makes ``kvguard simulate`` fail."""
+    verify_seals: bool = False
+    """Seal each block when its step validates (``validate_step(..., seals=)``), carry
+    the seal with its tier copy, and refuse a tier load whose KV does not give it: the
+    copy is dropped and the request recomputes those tokens."""
     description: str = ""
 
 
@@ -85,9 +95,10 @@ KVGUARD = Policy(
     abort_on_nan=True,
     zero_policy=ZeroPolicy.SUSPECT,
     tail_recovery=True,
+    verify_seals=True,
     description=(
         "kvguard: defer, abort alone, zero suspect blocks only, roll every request of a "
-        "step lost to a rank failure back and resume"
+        "step lost to a rank failure back and resume, verify tier loads by their seals"
     ),
 )
 KVGUARD_AUDIT = dataclasses.replace(

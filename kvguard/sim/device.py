@@ -1,4 +1,4 @@
-"""The simulator's one door to ``kvguard.kernels``: wipe, count, audit.
+"""The simulator's one door to ``kvguard.kernels``: wipe, count, audit, seal.
 
 Everything the engine does to cache bytes on the pool's behalf goes through here, on the
 kernels' pure-torch reference path (the cache lives on the CPU; the Triton interpreter
@@ -13,7 +13,13 @@ from typing import Literal
 
 import torch
 
-from kvguard.kernels import CacheWiper, NonFiniteMode, audit_blocks, count_nonfinite_per_request
+from kvguard.kernels import (
+    CacheWiper,
+    NonFiniteMode,
+    audit_blocks,
+    count_nonfinite_per_request,
+    seal_blocks,
+)
 from kvguard.kernels.wiper import TailWipe
 from kvguard.pool import BlockPool
 from kvguard.sim.kv_cache import PagedKVCache
@@ -50,6 +56,10 @@ class DeviceOps:
             logits.float(), cu_rows, NonFiniteMode.NAN, backend=BACKEND
         )
         return [int(c) for c in counts]
+
+    def seal(self, block_ids: Sequence[int]) -> list[int]:
+        """Per block: its seal over every layer (:func:`kvguard.kernels.seal_blocks`)."""
+        return [int(s) for s in seal_blocks(self.layout, list(block_ids), backend=BACKEND)]
 
     def audit(self, block_ids: Sequence[int]) -> list[bool]:
         """Per block: holds a non-finite value in some layer."""

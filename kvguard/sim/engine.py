@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvguard.hashing import BlockHash
 from kvguard.pool import BlockPool
 from kvguard.recovery import RecomputeCost, recompute_after_lost_steps
 from kvguard.results import StoreTicket
@@ -102,6 +103,10 @@ class Engine:
         # the policy did about it), until they are zeroed, wiped or handed out again.
         self._failed_writes: set[int] = set()
         self._store_jobs: list[StoreTicket] = []
+        # Store tickets whose tier copy a tier-rot fault alters once stored, and the
+        # requests whose tier-rot fault fired (it harms readers, not the request).
+        self._rot_tickets: set[int] = set()
+        self._rotted: set[str] = set()
 
     # ------------------------------------------------------------------ the loop
 
@@ -182,11 +187,23 @@ class Engine:
         assert self.tier is not None or not loads
         for load in loads:
             seq = load.seq
-            for block_id, block_hash in zip(load.block_ids, load.hashes, strict=True):
-                entry = self.tier.get(block_hash)  # type: ignore[union-attr]
+            entries = [self.tier.get(h) for h in load.hashes]  # type: ignore[union-attr]
+            for block_id, entry in zip(load.block_ids, entries, strict=True):
                 self.cache.load_block(block_id, entry.data)
                 if entry.from_failed_step:
                     self._failed_writes.add(block_id)
+            seals = None
+            if self.policy.verify_seals:
+                seals = dict(zip(load.block_ids, self.device.seal(load.block_ids), strict=True))
+                refused = [
+                    h
+                    for block_id, h, entry in zip(load.block_ids, load.hashes, entries, strict=True)
+                    if entry.seal is None or seals[block_id] != entry.seal
+                ]
+                if refused:
+                    self._refuse_load(seq, refused)
+                    continue
+            self.counters.tier_rotten_loads_served += sum(e.rotten for e in entries)
             if self.policy.publish_at_schedule:
                 continue  # declared valid when it was scheduled
             if self.policy.audit_kv:
@@ -194,8 +211,19 @@ class Engine:
                 if any(self.device.audit(load.block_ids)):
                     self._abort(seq, "KV audit (tier load)")
                     continue
-            # The tier only ever received validated bytes: the load is valid once landed.
-            self.pool.validate_step(seq.request_id)
+            # The tier only ever received validated bytes: the load is valid once landed
+            # (and, sealed, verified: the KV its blocks' validation vouched for).
+            self.pool.validate_step(seq.request_id, seals)
+
+    def _refuse_load(self, seq: Seq, hashes: Sequence[BlockHash]) -> None:
+        """Tier copies whose loaded KV does not give their seal: each is dropped from
+        the tier, and the request rolls back to its validated boundary -- before the
+        load -- and recomputes those tokens (the step computing on them is dropped)."""
+        for block_hash in hashes:
+            self.tier.remove(block_hash)  # type: ignore[union-attr]
+            self.pool.forget_tier_copy(TIER, block_hash)
+        self.counters.tier_loads_refused += 1
+        self._recover(seq)
 
     def _forward(self, chunks: list[ScheduledChunk]) -> list[ChunkResult] | None:
         if not chunks:
@@ -207,8 +235,13 @@ class Engine:
         for c in chunks:
             seq = c.seq
             fault = seq.fault
-            kind = None
-            if fault is not None and seq.fault_fired is None and c.start <= fault.position < c.end:
+            kind: FaultKind | None = None
+            if (
+                fault is not None
+                and fault.kind is not FaultKind.TIER_ROT  # (fires at its tier store)
+                and seq.fault_fired is None
+                and c.start <= fault.position < c.end
+            ):
                 kind = seq.fault_fired = fault.kind
                 fired_counts = self.counters.faults_fired
                 fired_counts[kind.value] = fired_counts.get(kind.value, 0) + 1
@@ -265,8 +298,24 @@ class Engine:
         if self.tier is None:
             return
         pool = self.pool
+        fault = seq.fault
+        rot_at = -1
+        if (
+            fault is not None
+            and fault.kind is FaultKind.TIER_ROT
+            and seq.request_id not in self._rotted
+        ):
+            table = pool.block_table(seq.request_id)
+            index = fault.position // self.scenario.block_size
+            rot_at = table[index] if index < len(table) else -1
         for block_id in pool.storable_blocks(seq.request_id, TIER):
-            self._store_jobs.append(pool.begin_store(block_id, TIER))
+            ticket = pool.begin_store(block_id, TIER)
+            self._store_jobs.append(ticket)
+            if block_id == rot_at:
+                self._rot_tickets.add(ticket.ticket_id)
+                self._rotted.add(seq.request_id)
+                fired = self.counters.faults_fired
+                fired[FaultKind.TIER_ROT.value] = fired.get(FaultKind.TIER_ROT.value, 0) + 1
 
     def _run_store_jobs(self) -> None:
         assert self.tier is not None or not self._store_jobs
@@ -274,6 +323,8 @@ class Engine:
         pool = self.pool
         counters = self.counters
         for ticket in jobs:
+            rotten = ticket.ticket_id in self._rot_tickets
+            self._rot_tickets.discard(ticket.ticket_id)
             data = self.cache.block_data(ticket.block_id)
             bad = ticket.block_id in self._failed_writes or not bool(torch.isfinite(data).all())
             if not pool.ack_store(ticket):
@@ -281,7 +332,11 @@ class Engine:
                 continue
             counters.tier_entries_written += 1
             counters.tier_entries_from_failed_steps += bad
-            for evicted in self.tier.put(ticket.block_hash, TierEntry(data, bad)):  # type: ignore[union-attr]
+            if rotten:  # once stored, an exponent bit flips in the first token's K and V
+                data[0, :, 0].view(torch.int32).bitwise_xor_(1 << 27)  # (layer 0; finite)
+                counters.tier_entries_rotten += 1
+            entry = TierEntry(data, bad, ticket.seal, rotten)
+            for evicted in self.tier.put(ticket.block_hash, entry):  # type: ignore[union-attr]
                 pool.forget_tier_copy(TIER, evicted)
 
     # ------------------------------------------------------------------ host side
@@ -312,10 +367,20 @@ class Engine:
             if r.audit_failed:
                 self._abort(seq, "KV audit")
                 continue
-            pool.validate_step(seq.request_id)
+            pool.validate_step(seq.request_id, self._seals_of(r.chunk))
             self._deliver(seq, r.sampled)
             if seq.status is SeqStatus.RUNNING:
                 self._offer_stores(seq)
+
+    def _seals_of(self, chunk: ScheduledChunk) -> dict[int, int] | None:
+        """Under a policy that verifies seals: the seals of the blocks ``chunk`` wrote,
+        taken now (its step's KV, as it validates)."""
+        if not self.policy.verify_seals:
+            return None
+        size = self.scenario.block_size
+        table = self.pool.block_table(chunk.seq.request_id)
+        ids = table[chunk.start // size : (chunk.end - 1) // size + 1]
+        return dict(zip(ids, self.device.seal(ids), strict=True))
 
     def _deliver(self, seq: Seq, token: int | None) -> None:
         if token is None:

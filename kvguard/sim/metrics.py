@@ -46,6 +46,13 @@ class RunCounters:
     """Tier entries whose bytes a failed step wrote (or that hold non-finite KV)."""
     tier_acks_dropped: int = 0
     """Copies the pool refused at ``ack_store`` (block quarantined or reused meanwhile)."""
+    tier_entries_rotten: int = 0
+    """Tier copies a tier-rot fault altered after they were stored (ground truth)."""
+    tier_rotten_loads_served: int = 0
+    """Loads of rotten tier copies whose KV a request then computed on."""
+    tier_loads_refused: int = 0
+    """Tier loads refused because their KV did not give the block's seal (the copy
+    dropped, the tokens recomputed)."""
     blocks_audited: int = 0
     steps_lost: int = 0
     """Steps lost to a rank failure, as the policy saw them (``eager`` sees none): each

@@ -24,6 +24,10 @@ class TierEntry:
     """``[layers, 2, block_size, heads, head_dim]``, as :meth:`PagedKVCache.block_data`."""
     from_failed_step: bool
     """Written (in part) by a step that failed validation, or holding non-finite KV."""
+    seal: int | None = None
+    """The seal of the block's validated KV (:attr:`StoreTicket.seal`), if it had one."""
+    rotten: bool = False
+    """A tier-rot fault altered the copy after it was stored (ground truth)."""
 
 
 class CpuTier:
@@ -46,6 +50,10 @@ class CpuTier:
             old, _ = self._entries.popitem(last=False)
             evicted.append(old)
         return evicted
+
+    def remove(self, block_hash: BlockHash) -> None:
+        """Drop an entry (a load refused it)."""
+        self._entries.pop(block_hash, None)
 
     def get(self, block_hash: BlockHash) -> TierEntry:
         """The entry for a hit (and mark it recently used)."""

@@ -22,6 +22,7 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("hit_rate", "hit rate"),
     ("bytes_zeroed", "zeroed"),
     ("tier_entries_from_failed_steps", "bad tier entries"),
+    ("tier_rotten_loads_served", "rotten tier loads served/refused"),
     ("tokens_per_s", "tok/s"),
 )
 
@@ -53,6 +54,8 @@ def _cell(summary: PolicySummary, key: str) -> str:
         return _human_bytes(value)
     if key == "tier_entries_from_failed_steps":
         return f"{value}/{summary.tier_entries_written}"
+    if key == "tier_rotten_loads_served":
+        return f"{value}/{summary.tier_loads_refused}"
     if key == "tokens_per_s":
         return f"{value:,.0f}"
     return str(value)

@@ -43,6 +43,10 @@ class PolicySummary:
     bytes_zeroed: int
     tier_entries_written: int
     tier_entries_from_failed_steps: int
+    tier_rotten_loads_served: int
+    """Loads of tier copies a tier-rot fault altered that a request computed on."""
+    tier_loads_refused: int
+    """Tier loads refused by their seals (the tokens recomputed)."""
     tokens_per_s: float
     result: RunResult
 
@@ -84,6 +88,8 @@ def summarize(result: RunResult, reference: dict[str, tuple[int, ...]]) -> Polic
         bytes_zeroed=c.bytes_zeroed,
         tier_entries_written=c.tier_entries_written,
         tier_entries_from_failed_steps=c.tier_entries_from_failed_steps,
+        tier_rotten_loads_served=c.tier_rotten_loads_served,
+        tier_loads_refused=c.tier_loads_refused,
         tokens_per_s=c.tokens_per_s,
         result=result,
     )

@@ -47,6 +47,8 @@ def _summary(policy: str, rate: float, escapes: int, zeroed: int, hit_rate: floa
         bytes_zeroed=zeroed,
         tier_entries_written=0,
         tier_entries_from_failed_steps=0,
+        tier_rotten_loads_served=0,
+        tier_loads_refused=0,
         tokens_per_s=0.0,
         result=RunResult(policy, rate, {}, RunCounters()),
     )
