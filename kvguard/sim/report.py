@@ -118,7 +118,9 @@ def format_report(report: SimulationReport) -> str:
         "escapes: requests never faulted themselves whose output differs from the fault-free "
         "run;\nsilent wrong: faulted requests that completed with a wrong output and no "
         "error;\nrecovered: faulted requests that completed with exactly the reference "
-        "output;\nbad tier entries: CPU-tier copies written by failed steps / all written; "
+        "output;\nbad tier entries: CPU-tier copies written by failed steps / all written;\n"
+        "rotten tier loads: loads of CPU-tier copies altered once stored (--faults tier), "
+        "computed on / refused by their seals; "
         f"faults fired per policy: {faulted}"
     )
     lost = format_lost_steps(report.main)
