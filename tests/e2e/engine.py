@@ -74,8 +74,9 @@ ENV = {
 """Environment of every engine (and of ``vllm serve``)."""
 
 
-def build_model(directory: str, *, counting: bool = False) -> str:
+def build_model(directory: str, *, counting: bool = False, seed: int = 0) -> str:
     """A random-weight Llama (fp32, safetensors) in ``directory``; no hub access.
+    ``seed``: another seed, another model of the same shape.
 
     ``counting``: greedy decoding continues with token + 1 (for speculative decoding,
     whose n-gram drafts then come true): the output head is the embedding shifted by
@@ -84,7 +85,7 @@ def build_model(directory: str, *, counting: bool = False) -> str:
     embeddings are nearly orthogonal, so the head's best match is the next token."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=128,

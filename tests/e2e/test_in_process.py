@@ -241,7 +241,7 @@ def test_the_log_says_the_guard_is_in_force_and_names_each_aborted_request(
     assert start.getMessage().startswith(f"kvguard: guard in force (vLLM 0.{SERIES[1]}.")
     assert start.getMessage().endswith(
         "GuardedScheduler): workers checked: 1 OK; zero policy: suspect (block zeroing: "
-        f"{BLOCK_ZEROING}); KV audit: off; prefix caching: on; "
+        f"{BLOCK_ZEROING}); KV audit: off; seals: off; prefix caching: on; "
         "connectors gated: none; KV cache groups guarded: 1 (FullAttentionSpec)"
     )
 

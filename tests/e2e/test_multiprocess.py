@@ -180,7 +180,8 @@ START_UP = re.compile(
     r"^\((?P<process>EngineCore\S*) pid=(?P<pid>\d+)\) INFO .* kvguard: guard in force "
     r"\(vLLM (?P<version>\S+), series (?P<series>\S+), GuardedScheduler\): workers "
     r"checked: 1 OK; zero policy: suspect \(block zeroing: (?P<zeroing>[^)]+)\); KV "
-    r"audit: off; prefix caching: on; connectors gated: none; KV cache groups guarded: 1 "
+    r"audit: off; seals: off; prefix caching: on; connectors gated: none; KV cache groups "
+    r"guarded: 1 "
     r"\(FullAttentionSpec\)$"
 )
 """kvguard's start-up line, as the engine core logs it (vLLM's prefix, then the text)."""

@@ -15,7 +15,10 @@ tier mixes copies up -- and the side's decode instance is asked for the prompt:
   prompt afresh: the fault-free output; the folder is deleted, counted
   (``storage_loads_refused``) and logged;
 * a truncated file: stock's engine dies on it (``EngineDeadError``: every request in
-  flight lost); guarded, that request's load fails and the engine serves on.
+  flight lost); guarded, that request's load fails and the engine serves on;
+* a copy another model wrote (a decode instance of another model on the same storage,
+  as after a restart with another model): stock loads it and answers wrongly; its seals
+  were taken under the other model's salt, so the guarded one refuses it.
 
 Engines run in processes of their own (vLLM keeps a process's connector global).
 """
@@ -37,8 +40,17 @@ if HAVE_ENGINE:
     import torch
     from safetensors.torch import load_file, save_file  # type: ignore[import-not-found]
 
-    from .conftest import shutdown
-    from .engine import BLOCK, Result, connector_engine, generate, set_faults, tokens
+    from .conftest import in_process, shutdown
+    from .engine import (
+        BLOCK,
+        ENGINE_KWARGS,
+        Result,
+        build_model,
+        connector_engine,
+        generate,
+        set_faults,
+        tokens,
+    )
 
 PROMPT = 100
 """Prompt length: its first 96 tokens (three blocks) are what the connector stores."""
@@ -181,6 +193,46 @@ def test_an_intact_sealed_copy_is_loaded(sides: dict[str, Any], reference: Any) 
     (out,) = generate(sides["sealed-decode"], [prompt], max_tokens=8)
     assert out == Result(want.token_ids, "length", (PROMPT - 1) // BLOCK * BLOCK)
     assert _refused(sides) == refused
+
+
+def test_a_copy_another_model_wrote_is_refused_by_its_seals(
+    sides: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Decode instances of another model (other weights, same shape) on each side's
+    storage, as after a restart with another model: each finds the first model's copy
+    of the prompt under the prompt's name."""
+    from vllm import LLM
+
+    other_model = build_model(str(tmp_path_factory.mktemp("other-llama")), seed=1)
+    with in_process():
+        other_reference = LLM(model=other_model, **ENGINE_KWARGS)
+    set_faults(other_reference, False)
+    logs: Path = sides["logs"]
+    readers: dict[str, Any] = {}
+    try:
+        prompt = tokens(670, PROMPT)
+        (want,) = generate(other_reference, [prompt], max_tokens=8)
+        for side, guard in (("stock", False), ("sealed", True)):
+            folder = _store(sides, side, prompt)
+            readers[side] = _engine(
+                other_model,
+                guard,
+                "kv_consumer",
+                sides[f"{side}-storage"],
+                logs / f"{side}-other.log",
+            )
+            set_faults(readers[side], False)
+            (out,) = generate(readers[side], [prompt], max_tokens=8)
+            if side == "stock":
+                assert out.num_cached_tokens == (PROMPT - 1) // BLOCK * BLOCK
+                assert out.token_ids != want.token_ids  # computed on the other model's KV
+                continue
+            assert (out.token_ids, out.finish_reason) == (want.token_ids, "length")
+            assert not folder.exists()
+        assert "does not verify" in (logs / "sealed-other.log").read_text(errors="replace")
+    finally:
+        for llm in (*readers.values(), other_reference):
+            shutdown(llm)
 
 
 def test_a_truncated_copy_kills_stock_and_fails_one_load_under_the_guard(

@@ -51,8 +51,8 @@ def test_the_guarded_engine_logs_one_start_up_line_and_stock_none(
     assert re.search(
         rf"^\(EngineCore\S* pid=\d+\) INFO .* kvguard: guard in force \(vLLM 0\.{SERIES[1]}\.\S+, "
         rf"series 0\.{SERIES[1]}, GuardedScheduler\): workers checked: 1 OK; zero policy: "
-        rf"suspect \(block zeroing: {re.escape(BLOCK_ZEROING)}\); KV audit: off; prefix "
-        r"caching: on; connectors gated: none; KV cache groups guarded: 1 "
+        rf"suspect \(block zeroing: {re.escape(BLOCK_ZEROING)}\); KV audit: off; seals: off; "
+        r"prefix caching: on; connectors gated: none; KV cache groups guarded: 1 "
         r"\(FullAttentionSpec\)$",
         line,
     ), line
