@@ -24,6 +24,7 @@ ROWS = [
     "zero_blocks 16 ids",
     "zero_slots",
     "audit_blocks",
+    "seal_blocks",
     "zero_blocks flashinfer",
     "zero_blocks mla",
     "nan_count",
@@ -32,7 +33,9 @@ ROWS = [
 
 def test_quick_benchmark_prints_every_row() -> None:
     out = _run(interpret=False)
-    lines = [line for line in out.splitlines() if line.startswith(("zero_", "audit_", "nan_"))]
+    lines = [
+        line for line in out.splitlines() if line.startswith(("zero_", "audit_", "seal_", "nan_"))
+    ]
     assert len(lines) == len(ROWS), out
     for line, name in zip(lines, ROWS, strict=True):
         assert line.startswith(name), (line, name)
@@ -43,7 +46,16 @@ def test_quick_benchmark_prints_every_row() -> None:
 
 def test_sweep_ranks_every_launch_shape() -> None:
     out = _run("--sweep", interpret=True)
-    for kernel, shapes in (("zero_blocks", 16), ("audit_blocks", 8), ("count_nonfinite", 16)):
+    kernels = (
+        ("zero_blocks", 16),
+        ("audit_blocks", 8),
+        ("seal_blocks", 8),
+        ("count_nonfinite", 16),
+    )
+    for kernel, shapes in kernels:
         assert f"{kernel}: {shapes} launch shapes" in out
     ranked = [line for line in out.splitlines() if line.lstrip().startswith("#")]
-    assert len(ranked) == 15  # the best five of each kernel
+    # The best five of each kernel, and its current shape's rank where it ranks lower.
+    lower = [line for line in ranked if int(line.split()[0][1:]) > 5]
+    assert all(line.endswith("<- current") for line in lower)
+    assert len(ranked) - len(lower) == 5 * len(kernels)
