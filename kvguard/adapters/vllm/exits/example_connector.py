@@ -26,8 +26,8 @@ This subclass keeps the workers' copy where it is made, but out of sight:
   <kvguard.adapters.vllm.pool.block_pool.GuardedBlockPool.invalidate>` taints deletes every
   folder recorded to hold it (:mod:`kvguard.adapters.vllm.exits.tier_purge`).
 * **Sealed, and verified on load** (seals on: ``{"kvguard": {"seal": true}}``): a
-  committed store's folder carries its blocks' keys and seals (``kvguard-seals.json``,
-  taken when their step validated). A worker loads each request's folder on its own; the
+  committed store's folder carries a digest of the prompt it holds and its blocks' seals
+  (``kvguard-seals.json``, the seals taken when their step validated). A worker loads each request's folder on its own; the
   folder is refused -- a failed load, whose blocks vLLM's ``kv_load_failure_policy``
   recomputes or fails, every other request proceeding -- when it cannot be read
   (truncated, missing, misshapen: vLLM's own load would kill the engine), carries no
