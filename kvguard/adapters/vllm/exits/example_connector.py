@@ -26,14 +26,15 @@ This subclass keeps the workers' copy where it is made, but out of sight:
   <kvguard.adapters.vllm.pool.block_pool.GuardedBlockPool.invalidate>` taints deletes every
   folder recorded to hold it (:mod:`kvguard.adapters.vllm.exits.tier_purge`).
 * **Sealed, and verified on load** (seals on: ``{"kvguard": {"seal": true}}``): a
-  committed store's folder carries a digest of the prompt it holds and its blocks' seals
-  (``kvguard-seals.json``, the seals taken when their step validated). A worker loads each request's folder on its own; the
-  folder is refused -- a failed load, whose blocks vLLM's ``kv_load_failure_policy``
-  recomputes or fails, every other request proceeding -- when it cannot be read
-  (truncated, missing, misshapen: vLLM's own load would kill the engine), carries no
-  seals, or its loaded KV does not give them (the bytes rotted, it holds another
-  prefix's KV, or another model, dtype or layout wrote it). A refused folder is
-  deleted, counted (``storage_loads_refused``) and logged with the request.
+  committed store's folder carries a digest of the prompt it holds and its blocks'
+  seals (``kvguard-seals.json``, the seals taken when their step validated). A worker
+  loads each request's folder on its own; the folder is refused -- a failed load,
+  whose blocks vLLM's ``kv_load_failure_policy`` recomputes or fails, every other
+  request proceeding -- when it cannot be read (truncated, missing, misshapen: vLLM's
+  own load would kill the engine), carries no seals, or its loaded KV does not give
+  them (the bytes rotted, it holds another prefix's KV, or another model, dtype or
+  layout wrote it). A refused folder is deleted, counted (``storage_loads_refused``)
+  and logged with the request.
 
 kvguard gates the stores by block hashes, which vLLM computes with prefix caching on:
 with it off the guarded scheduler refuses this connector at start-up. Without kvguard's
