@@ -102,7 +102,14 @@ CONNECTOR_HELP = {
     "offload_chunks_stored": "Chunks stored to the CPU tier with every ticket acknowledged",
     "offload_chunks_discarded": "Chunks discarded from the CPU tier for a late acknowledgement",
     "offload_chunks_evicted": "Chunks the CPU tier evicted to make room for a store",
-    "offload_chunks_purged": "Chunks dropped from the CPU tier: a hash they hold was invalidated",
+    "offload_chunks_purged": (
+        "Chunks dropped from the CPU tier: a hash they hold was invalidated, or a load of "
+        "them did not verify by its seals"
+    ),
+    "offload_loads_refused": (
+        "CPU-tier loads refused: the loaded KV did not verify by its seals (vLLM's "
+        "kv_load_failure_policy recomputes or fails the request)"
+    ),
 }
 """The guarded CPU offloading connectors' counters (``kvguard_counters``), with their
 help."""

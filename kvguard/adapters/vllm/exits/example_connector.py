@@ -195,10 +195,9 @@ class GuardedExampleConnector(ExampleConnector):
         seals are off)."""
         if not self._kvguard_verify:
             return None
-        from kvguard.adapters.vllm.workers.seals import process_runner, seal_step
+        from kvguard.adapters.vllm.workers.seals import process_runner, unsealed_blocks
 
-        runner = process_runner()
-        if runner is None:
+        if process_runner() is None:
             return "no sealing model runner in this worker"
         try:
             with open(os.path.join(folder, SEALS_FILE)) as f:
@@ -211,8 +210,8 @@ class GuardedExampleConnector(ExampleConnector):
             return "holds the KV of another prefix"
         if len(expected) != len(block_ids):
             return f"holds seals for another number of blocks than the {len(block_ids)} loaded"
-        got = seal_step(runner, {"": block_ids})
-        bad = [i for i, block_id in enumerate(block_ids) if got[block_id] != expected[i]]
+        bad_ids = set(unsealed_blocks(dict(zip(block_ids, expected, strict=True))))
+        bad = [i for i, block_id in enumerate(block_ids) if block_id in bad_ids]
         if bad:
             return f"does not verify: block(s) {bad} of {len(block_ids)} differ from their seals"
         return None

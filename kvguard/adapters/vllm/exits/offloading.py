@@ -44,6 +44,20 @@ vLLM's code unchanged.
   vLLM's own ``CPUOffloadingManager`` is purged; under another manager (tiering, an
   out-of-tree spec) invalidated copies are reported unpurged.
 
+* **Loads are verified by their seals** (seals on: ``{"kvguard": {"seal": true}}``).
+  Each chunk the tier holds carries its blocks' seals, taken when their step
+  validated (the gate's tier record). A load job carries the seal of every GPU block
+  it fills (``kvguard_load_seals`` on the connector metadata); when the job completes,
+  the worker seals the blocks it filled and reports those that differ as blocks that
+  failed to load (``get_block_ids_with_load_errors``): vLLM's
+  ``kv_load_failure_policy`` recomputes the request from the first of them, or fails
+  it, and every other request proceeds. The scheduler side drops the rotten chunk and
+  the chunks of that load after it from the tier, counts the load
+  (``offload_loads_refused``) and logs it once with the request. A copy without a
+  seal is refused as well. vLLM maps such block-level failures to requests on models
+  with one KV cache group only: with seals on, a model with several is refused at
+  start-up.
+
 Without kvguard's pool underneath (stock scheduler, or the guard off: vLLM's own
 scheduler and pool) it is vLLM's ``OffloadingConnector``. Select it with
 ``KVTransferConfig(kv_connector="GuardedOffloadingConnector",
@@ -55,6 +69,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from itertools import chain
 from typing import TYPE_CHECKING, Any
 
@@ -90,7 +105,8 @@ from vllm.v1.kv_offload.base import LookupResult, OffloadingEvent  # noqa: E402
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 
-from kvguard.adapters.vllm.exits.gate import ExitGate  # noqa: E402
+from kvguard.adapters.vllm.config import GuardConfigError, guard_config  # noqa: E402
+from kvguard.adapters.vllm.exits.gate import ExitGate, group_hashes, group_key  # noqa: E402
 from kvguard.adapters.vllm.metrics import CONNECTOR_HELP  # noqa: E402
 from kvguard.hashing import BlockHash  # noqa: E402
 from kvguard.results import StoreTicket  # noqa: E402
@@ -103,6 +119,24 @@ logger = init_logger(f"vllm.{__name__}")
 
 TIER = "vllm-offload"
 """The tier name kvguard records the connector's copies under (``tier_copies``)."""
+
+
+LOAD_SEALS = "kvguard_load_seals"
+"""The connector metadata's attribute with the seals each load job must give: load job
+id -> GPU block id -> the seal its copy carries (None: the copy carries none)."""
+
+
+@dataclass(slots=True)
+class _SealedLoad:
+    """A load job whose blocks the workers verify: what the scheduler side needs when
+    they report a block that does not."""
+
+    req_id: str
+    seals: dict[int, int | None]
+    """GPU block -> the seal its copy carries (sent to the workers)."""
+    chunks: list[tuple[Any, list[int]]] = field(default_factory=list)
+    """The job's chunks in prefix order: offload key, the GPU blocks it fills."""
+    refused: bool = False
 
 
 def drop_idle_chunks(manager: CPUOffloadingManager, chunks: list[tuple[Any, Any]]) -> None:
@@ -125,9 +159,21 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
     translated to kvguard's exit gate (:attr:`kvguard_gate`, whose copies are the CPU
     tier's chunks, by offload key)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, spec: Any, vllm_config: Any, kv_cache_config: Any) -> None:
+        super().__init__(spec, vllm_config, kv_cache_config)
         self.kvguard_gate = ExitGate(TIER, CONNECTOR_HELP)
+        # Seals on: each load job's blocks are verified by the workers (job id -> its
+        # blocks' seals and chunks, until the job completes).
+        self._kvguard_verify = guard_config(vllm_config).seal
+        self._kvguard_loads: dict[int, _SealedLoad] = {}
+        if self._kvguard_verify and len(kv_cache_config.kv_cache_groups) > 1:
+            raise GuardConfigError(
+                'kvguard\'s seals ("seal": true) verify CPU-tier loads block by block, '
+                "and vLLM maps a block that failed to load back to its request on models "
+                "with one KV cache group only; this model has "
+                f"{len(kv_cache_config.kv_cache_groups)}. Switch seals off to offload "
+                "its KV (stores stay gated; loads are then not verified)."
+            )
         self.kvguard_counters = self.kvguard_gate.counters
         # Store job id -> offload key -> the tickets of the blocks that chunk copies.
         self._kvguard_tickets: dict[int, dict[Any, list[StoreTicket]]] = {}
@@ -388,11 +434,98 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
                     )
                     break
 
+    # ------------------------------------------------------------------ verified loads
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        jobs = self._current_batch_load_jobs
+        before = len(jobs)
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        if self._kvguard_verify and len(jobs) > before and self.kvguard_gate.pool is not None:
+            job_id = next(reversed(jobs))  # (the job vLLM just built: the newest)
+            self._kvguard_loads[job_id] = self._kvguard_expect(request, jobs[job_id])
+
+    def _kvguard_expect(self, request: Any, job: Any) -> _SealedLoad:
+        """The seal each GPU block of load ``job`` must give: the one the tier's copy
+        of the request's block at that position carries (the gate's record)."""
+        pool = self.kvguard_gate.pool
+        assert pool is not None
+        tier_seal = pool.core.tier_gate.tier_seal
+        spec = job.dst_spec
+        block_ids = [int(b) for b in spec.block_ids]
+        sizes = spec.group_sizes or (len(block_ids),)
+        starts = spec.block_indices or (0,)
+        req_status = self._req_status[request.request_id]
+        load = _SealedLoad(request.request_id, {})
+        chunk_of: dict[Any, list[int]] = {}
+        blocks_per_chunk = self._kvguard_blocks_per_chunk
+        offset = 0
+        for (group_id, block_size, _), group_state, size, start in zip(
+            self._kvguard_groups, req_status.group_states, sizes, starts, strict=True
+        ):
+            hashes = group_hashes(request.block_hashes, pool.hash_block_size, block_size)
+            for k in range(size):
+                block_id = block_ids[offset + k]
+                position = start + k
+                key = group_key(hashes[position], group_id)
+                load.seals[block_id] = tier_seal(key, TIER)
+                chunk = group_state.offload_keys[position // blocks_per_chunk]
+                chunk_of.setdefault(chunk, []).append(block_id)
+            offset += size
+        load.chunks = list(chunk_of.items())
+        return load
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta = super().build_connector_meta(scheduler_output)
+        loads = self._kvguard_loads
+        if loads:
+            sealed = {j: loads[j].seals for j in meta.load_jobs if j in loads}
+            if sealed:
+                setattr(meta, LOAD_SEALS, sealed)
+        return meta
+
+    def _kvguard_settle_loads(self, connector_output: Any, completed: dict[int, int]) -> None:
+        """The workers' report on the verified loads: a load with a block that failed
+        to load (did not verify) is refused -- its rotten chunk and the chunks after it
+        leave the tier; a completed load is no longer tracked."""
+        invalid = connector_output.invalid_block_ids
+        loads = self._kvguard_loads
+        for job_id, load in list(loads.items()):
+            if invalid and not load.refused and not invalid.isdisjoint(load.seals):
+                load.refused = True
+                self._kvguard_refuse(load, invalid)
+            count = completed.get(job_id)
+            if count is not None:
+                status = self._jobs.get(job_id)
+                if status is None or status.pending_count <= count:
+                    del loads[job_id]
+
+    def _kvguard_refuse(self, load: _SealedLoad, invalid: set[int]) -> None:
+        first = next(i for i, (_, ids) in enumerate(load.chunks) if not invalid.isdisjoint(ids))
+        keys = [key for key, _ in load.chunks[first:]]
+        dropped = self._kvguard_drop(keys)
+        gate = self.kvguard_gate
+        gate.count("offload_loads_refused")
+        gate.count("offload_chunks_purged", len(dropped))
+        bad = sum(1 for b in load.seals if b in invalid)
+        logger.warning(
+            "kvguard: request %s: %d block(s) it loaded from tier %s do not verify by "
+            "their seals (the copy rotted, or is not the KV that validated); the load "
+            "fails -- vLLM's kv_load_failure_policy decides whether the request recomputes "
+            "or fails -- and %d chunk(s) are dropped from the tier",
+            load.req_id,
+            bad,
+            TIER,
+            len(dropped),
+        )
+
     # ------------------------------------------------------------------ acknowledgements
 
     def _kvguard_take_acknowledgements(self, connector_output: Any) -> None:
         """Before vLLM completes the store jobs the workers report finished."""
         meta = connector_output.kv_connector_worker_meta
+        if self._kvguard_loads:
+            completed = meta.completed_jobs if isinstance(meta, OffloadingWorkerMetadata) else {}
+            self._kvguard_settle_loads(connector_output, completed)
         tickets = self._kvguard_tickets
         if tickets and isinstance(meta, OffloadingWorkerMetadata):
             for job_id, count in meta.completed_jobs.items():
@@ -444,31 +577,37 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
         if not holding:
             return []
         wanted = set(hashes)
-        purged: dict[BlockHash, None] = {}
-        idle: list[tuple[Any, Any]] = []
-        dropped = 0
-        with self._kvguard_manager_lock():
-            manager = self.manager
-            for key, held in holding.items():
-                chunk = manager._policy.get(key)
-                if chunk is None or not chunk.is_ready:
-                    # Not in the tier, or stored again and still being written
-                    # (kvguard records a chunk once its store completed): that store's
-                    # tickets fail at its acknowledgement, which discards it.
-                    continue
-                if chunk.ref_cnt > 0:
-                    # Being loaded: the workers read its CPU chunk, which must not go
-                    # to a store before they are done. It leaves every lookup now.
-                    self._kvguard_purging.add(key)
-                else:
-                    idle.append((key, chunk))
-                purged.update((h, None) for h in held if h in wanted)
-                dropped += 1
-            drop_idle_chunks(manager, idle)
+        dropped = self._kvguard_drop(holding)
         # (The core dropped its record of ``hashes`` itself, when it invalidated them.)
-        gate.forget(holding)
-        gate.count("offload_chunks_purged", dropped)
-        return list(purged)
+        gate.count("offload_chunks_purged", len(dropped))
+        return list(dict.fromkeys(h for key in dropped for h in holding[key] if h in wanted))
+
+    def _kvguard_drop(self, keys: Collection[Any]) -> list[Any]:
+        """Drop the chunks of ``keys`` from vLLM's CPU manager and the gate's record;
+        returns the keys of those the tier held (and drops). A chunk being loaded
+        leaves every lookup now and the tier when its last load completes."""
+        dropped: list[Any] = []
+        if type(self.manager) is CPUOffloadingManager:
+            idle: list[tuple[Any, Any]] = []
+            with self._kvguard_manager_lock():
+                manager = self.manager
+                for key in keys:
+                    chunk = manager._policy.get(key)
+                    if chunk is None or not chunk.is_ready:
+                        # Not in the tier, or stored again and still being written
+                        # (kvguard records a chunk once its store completed): that
+                        # store's tickets fail at its acknowledgement, which discards it.
+                        continue
+                    if chunk.ref_cnt > 0:
+                        # Being loaded: the workers read its CPU chunk, which must not
+                        # go to a store before they are done. It leaves every lookup now.
+                        self._kvguard_purging.add(key)
+                    else:
+                        idle.append((key, chunk))
+                    dropped.append(key)
+                drop_idle_chunks(manager, idle)
+        self.kvguard_gate.forget(keys)
+        return dropped
 
     def _kvguard_observe_loads(self) -> None:
         """A purged chunk being loaded is a miss for every lookup, and leaves the tier
@@ -508,6 +647,7 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
         for by_key in self._kvguard_tickets.values():
             self.kvguard_gate.fail(chain.from_iterable(by_key.values()))
         self._kvguard_tickets.clear()
+        self._kvguard_loads.clear()
 
     def _kvguard_tier_emptied(self) -> None:
         """The reset emptied the tier: the gate's record of it goes."""
@@ -543,6 +683,42 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
         return {job_id: tuple(by_key) for job_id, by_key in self._kvguard_tickets.items()}
 
 
+class GuardedOffloadingConnectorWorker(OffloadingConnectorWorker):
+    """vLLM's offloading worker side, which verifies each sealed load job (seals on)
+    when it completes: the blocks that do not give their copy's seal are reported as
+    blocks that failed to load."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Load job id -> GPU block -> the seal its copy carries, until the job completes.
+        self._kvguard_expected: dict[int, dict[int, int | None]] = {}
+        self._kvguard_refused: set[int] = set()
+
+    def start_kv_transfers(self, metadata: Any) -> None:
+        sealed = getattr(metadata, LOAD_SEALS, None)
+        if sealed:
+            self._kvguard_expected.update(sealed)
+        super().start_kv_transfers(metadata)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        finished = super().get_finished(finished_req_ids)
+        expected = self._kvguard_expected
+        if expected:
+            from kvguard.adapters.vllm.workers.seals import unsealed_blocks
+
+            failed = getattr(self._connector_worker_meta, "failed_jobs", ())
+            for job_id in [j for j in expected if j not in self._load_jobs]:  # completed
+                seals = expected.pop(job_id)
+                if job_id not in failed:  # (a failed transfer is vLLM's to handle)
+                    self._kvguard_refused.update(unsealed_blocks(seals))
+        return finished
+
+    def kvguard_take_refused(self) -> set[int]:
+        """The GPU blocks whose load was refused since the last call."""
+        refused, self._kvguard_refused = self._kvguard_refused, set()
+        return refused
+
+
 class GuardedOffloadingConnector(OffloadingConnector):
     """vLLM's ``OffloadingConnector`` whose store jobs pass kvguard's tier gate."""
 
@@ -554,19 +730,27 @@ class GuardedOffloadingConnector(OffloadingConnector):
         self._canonical_layout = offloading_config.canonical_layout
         spec = OffloadingSpecFactory.create_spec(offloading_config)
         self.connector_scheduler: GuardedOffloadingConnectorScheduler | None = None
-        self.connector_worker: OffloadingConnectorWorker | None = None
+        self.connector_worker: GuardedOffloadingConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = GuardedOffloadingConnectorScheduler(
                 spec, vllm_config, kv_cache_config
             )
         elif role == KVConnectorRole.WORKER:
-            self.connector_worker = OffloadingConnectorWorker(spec, vllm_config, kv_cache_config)
+            self.connector_worker = GuardedOffloadingConnectorWorker(
+                spec, vllm_config, kv_cache_config
+            )
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         if self.connector_scheduler is not None:
             # Read at use: the guarded scheduler installs kvguard's pool afterwards.
             self.connector_scheduler.kvguard_bind(kv_cache_manager)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        refused = super().get_block_ids_with_load_errors()
+        if self.connector_worker is None:
+            return refused
+        return set(refused) | self.connector_worker.kvguard_take_refused()
 
     def kvguard_stats(self) -> dict[str, int]:
         if self.connector_scheduler is None:

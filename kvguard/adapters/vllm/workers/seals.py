@@ -97,6 +97,20 @@ def seal_step(runner: Any, blocks: Mapping[str, Sequence[int]]) -> dict[int, int
     return dict(zip(ids, total.tolist(), strict=True))
 
 
+def unsealed_blocks(expected: Mapping[int, int | None]) -> list[int]:
+    """The blocks of ``expected`` (block id -> the seal its copy carries) whose KV, as
+    loaded into this worker's cache, does not give that seal: every one of them when
+    this process has no sealing runner (a load that cannot be verified is refused).
+    The one check every sealed exit's worker side makes on a load."""
+    if not expected:
+        return []
+    runner = process_runner()
+    if runner is None:
+        return list(expected)
+    got = seal_step(runner, {"": list(expected)})
+    return [block_id for block_id, seal in expected.items() if got.get(block_id) != seal]
+
+
 def _patch_v1(module: ModuleType) -> None:
     runner = module.GPUModelRunner
     stock = runner._bookkeeping_sync
@@ -171,4 +185,11 @@ def runner_seals(runner: Any) -> bool:
     return True
 
 
-__all__ = ["SEAL_FIELD", "AuditedCounts", "install", "runner_seals", "seal_step"]
+__all__ = [
+    "SEAL_FIELD",
+    "AuditedCounts",
+    "install",
+    "runner_seals",
+    "seal_step",
+    "unsealed_blocks",
+]
