@@ -34,6 +34,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole  # noqa
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (  # noqa: E402
     OffloadingConnector,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import (  # noqa: E402
+    SimpleCPUOffloadConnector,
+)
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 
 from kvguard.adapters.vllm.config import GuardConfigError  # noqa: E402
@@ -42,6 +45,7 @@ from kvguard.adapters.vllm.exits.offloading import (  # noqa: E402
     TIER,
     GuardedOffloadingConnector,
 )
+from kvguard.adapters.vllm.exits.simple_cpu import GuardedSimpleCPUOffloadConnector  # noqa: E402
 from kvguard.adapters.vllm.workers import seals as worker_seals  # noqa: E402
 from kvguard.adapters.vllm.workers.audit import with_seals  # noqa: E402
 
@@ -131,29 +135,96 @@ class Transfers:
         ]
 
 
-class Engine:
-    """A real scheduler (kvguard's or stock vLLM's) with the offloading connector, and
-    its workers played over ``runner()``'s caches."""
+class SimpleTransfers:
+    """SimpleCPU's worker handler (``SimpleCPUOffloadWorker``), played in memory as
+    :class:`Transfers` plays the offloading engine: a step's load event runs in
+    ``start_load_kv`` and its store event in ``wait_for_save``; both are reported done
+    in that step's output."""
 
-    def __init__(self, guarded: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-        connector = "GuardedOffloadingConnector" if guarded else "OffloadingConnector"
-        self.s = make_scheduler(
-            guarded=guarded,
-            kvguard={"seal": True} if guarded else None,
-            kv_transfer_config=transfer_config(connector, load_failure_policy="recompute"),
-        )
+    def __init__(self, r: Any) -> None:
+        self.caches = caches(r)
+        self.tier: dict[int, list[Any]] = {}
+        self.meta: Any = None
+        self._pending_load_event_indices: set[int] = set()
+        self.stored: dict[int, int] = {}
+
+    def bind_connector_metadata(self, meta: Any) -> None:
+        self.meta = meta
+        if meta.load_event >= 0:
+            self._pending_load_event_indices.add(meta.load_event)
+
+    def clear_connector_metadata(self) -> None:
+        self.meta = None
+
+    def handle_preemptions(self, meta: Any) -> None:
+        pass
+
+    def start_load_kv(self) -> None:
+        meta = self.meta
+        for cpu, gpu in zip(meta.load_cpu_blocks, meta.load_gpu_blocks, strict=True):
+            for c, block in zip(self.caches, self.tier[cpu], strict=True):
+                c[:, gpu] = block
+
+    def wait_for_save(self) -> None:
+        meta = self.meta
+        for gpu, cpu in zip(meta.store_gpu_blocks, meta.store_cpu_blocks, strict=True):
+            self.tier[cpu] = [c[:, gpu].clone() for c in self.caches]
+        if meta.store_event >= 0:
+            self.stored[meta.store_event] = 1
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[None, set[str] | None]:
+        done = self._pending_load_event_indices
+        recved = {r for e in done for r in self.meta.load_event_to_reqs.get(e, ())}
+        done.clear()
+        return None, recved or None
+
+    def build_connector_worker_meta(self) -> Any:
+        from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
+
+        stored, self.stored = self.stored, {}
+        return SimpleCPUOffloadWorkerMetadata(completed_store_events=stored) if stored else None
+
+
+class Engine:
+    """A real scheduler (kvguard's or stock vLLM's) with a CPU tier -- vLLM's
+    offloading connector (``tier="offloading"``) or SimpleCPU's -- and its workers
+    played over ``runner()``'s caches."""
+
+    def __init__(
+        self, guarded: bool, monkeypatch: pytest.MonkeyPatch, tier: str = "offloading"
+    ) -> None:
         self.runner = runner()
         monkeypatch.setattr(worker_seals, "_process_runner", [self.runner])
-        # (0.34's workers hand the engine device pointers; the played one takes specs.)
-        if hasattr(offload_worker, "resolve_device_pointers"):
-            monkeypatch.setattr(offload_worker, "resolve_device_pointers", lambda spec, _: spec)
-        cls = GuardedOffloadingConnector if guarded else OffloadingConnector
-        worker: Any = cls(self.s.vllm_config, KVConnectorRole.WORKER, self.s.kv_cache_config)
-        self.worker: Any = worker.connector_worker
-        self.transfers = Transfers(self.runner)
-        self.worker.worker = self.transfers
-        self.worker._kv_caches = None
         self.guarded = guarded
+        self.tier = tier
+        kvguard = {"seal": True} if guarded else None
+        if tier == "simple-cpu":
+            from .test_simple_cpu_offloading import simple_cpu_scheduler
+
+            self.s = simple_cpu_scheduler(
+                guarded=guarded, kvguard=kvguard, num_blocks=NUM_BLOCKS, cpu_blocks=64
+            )
+            self.s.vllm_config.kv_transfer_config.kv_load_failure_policy = "recompute"
+            self.s.recompute_kv_load_failures = True
+            cls: Any = GuardedSimpleCPUOffloadConnector if guarded else SimpleCPUOffloadConnector
+            self.connector = cls(self.s.vllm_config, KVConnectorRole.WORKER, self.s.kv_cache_config)
+            self.transfers: Any = SimpleTransfers(self.runner)
+            self.connector.worker_handler = self.transfers
+        else:
+            connector = "GuardedOffloadingConnector" if guarded else "OffloadingConnector"
+            self.s = make_scheduler(
+                guarded=guarded,
+                kvguard=kvguard,
+                kv_transfer_config=transfer_config(connector, load_failure_policy="recompute"),
+            )
+            # (0.34's workers hand the engine device pointers; the played one takes specs.)
+            if hasattr(offload_worker, "resolve_device_pointers"):
+                monkeypatch.setattr(offload_worker, "resolve_device_pointers", lambda spec, _: spec)
+            cls = GuardedOffloadingConnector if guarded else OffloadingConnector
+            self.connector = cls(self.s.vllm_config, KVConnectorRole.WORKER, self.s.kv_cache_config)
+            self.transfers = Transfers(self.runner)
+            self.connector.connector_worker.worker = self.transfers
+            self.connector.connector_worker._kv_caches = None
         self.wrong: set[str] = set()
         self.finished: dict[str, str] = {}
         self.refused: list[set[int]] = []
@@ -181,27 +252,35 @@ class Engine:
         return nans
 
     def step(self) -> dict[str, str]:
-        s, worker = self.s, self.worker
+        """One step: the connector's worker-side calls in the order vLLM's model runner
+        makes them, around the played forward."""
+        s, connector = self.s, self.connector
         so = s.schedule()
-        meta = offloading_metadata(so)
-        if hasattr(worker, "handle_preemptions"):
-            worker.handle_preemptions(meta)
-        worker.start_kv_transfers(meta)
+        meta = so.kv_connector_metadata
+        connector.bind_connector_metadata(meta)
+        if self.tier == "offloading":
+            worker = connector.connector_worker
+            if hasattr(worker, "handle_preemptions"):
+                worker.handle_preemptions(meta)
+            worker.start_kv_transfers(meta)
+        else:
+            connector.start_load_kv(None)
         nans = self.forward(so)
         out = model_output(s, so, nans)
         blocks = getattr(so, worker_seals.SEAL_FIELD, None)
         if blocks:
             seals = worker_seals.seal_step(self.runner, blocks)
             out.num_nans_in_logits = with_seals(out.num_nans_in_logits, seals)
-        worker.prepare_store_kv(meta)
-        _, recved = worker.get_finished(set())
-        invalid = worker.kvguard_take_refused() if self.guarded else set()
+        connector.wait_for_save()
+        _, recved = connector.get_finished(set())
+        invalid = set(connector.get_block_ids_with_load_errors())
         self.refused.append(invalid)
         out.kv_connector_output = KVConnectorOutput(
             finished_recving=recved or None,
             invalid_block_ids=invalid,
-            kv_connector_worker_meta=worker.build_connector_worker_meta(),
+            kv_connector_worker_meta=connector.build_connector_worker_meta(),
         )
+        connector.clear_connector_metadata()
         reasons = finish_reasons(s.update_from_output(so, out))
         self.finished.update(reasons)
         return reasons
@@ -209,18 +288,32 @@ class Engine:
     def run(self, *requests: Any) -> None:
         for request in requests:
             self.s.add_request(request)
-        for _ in range(60):
-            if not self.s.requests and not self.s.connector.connector_scheduler._jobs:
+        for _ in range(100):
+            if not self.s.requests and not self.in_flight():
                 return
             self.step()
         raise AssertionError("the requests did not finish")
 
+    def in_flight(self) -> bool:
+        """Whether a copy is still in flight (its completion not yet reported)."""
+        if self.tier == "offloading":
+            return bool(self.s.connector.connector_scheduler._jobs)
+        return bool(self.s.connector.scheduler_manager._store_event_to_blocks)
+
     def tier_copy(self, prompt: list[int], index: int) -> list[Any]:
         """The CPU tier's copy of block ``index`` of ``prompt`` (its bytes, live)."""
+        from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
         from vllm.v1.kv_offload.base import ReqContext, make_offload_key
 
+        block_hash = make_request("probe", prompt).block_hashes[index]
+        if self.tier == "simple-cpu":
+            cpu_pool = self.s.connector.scheduler_manager.cpu_block_pool
+            hit = cpu_pool.cached_block_hash_to_block.get_one_block(
+                make_block_hash_with_group_id(block_hash, 0)
+            )
+            return self.transfers.tier[hit.block_id]
         manager = self.s.connector.connector_scheduler.manager
-        key = make_offload_key(make_request("probe", prompt).block_hashes[index], 0)
+        key = make_offload_key(block_hash, 0)
         spec = manager.prepare_load([key], ReqContext(req_id="probe"))
         manager.complete_load([key], ReqContext(req_id="probe"))
         (cpu,) = spec.block_ids
@@ -267,10 +360,15 @@ CORRUPTIONS: dict[str, Callable[[list[Any], list[Any]], None]] = {
 }
 
 
-def campaign(guarded: bool, corrupt: Any, monkeypatch: pytest.MonkeyPatch) -> Engine:
+TIERS = pytest.mark.parametrize("tier", ["offloading", "simple-cpu"])
+
+
+def campaign(
+    guarded: bool, corrupt: Any, monkeypatch: pytest.MonkeyPatch, tier: str = "offloading"
+) -> Engine:
     """PROMPT and OTHER run and are stored; the GPU prefix cache is dropped; block 2 of
     PROMPT's copy is corrupted; "retry" (PROMPT again) loads it while "bystander" runs."""
-    e = Engine(guarded, monkeypatch)
+    e = Engine(guarded, monkeypatch, tier)
     e.run(make_request("first", PROMPT, max_tokens=2), make_request("other", OTHER, max_tokens=2))
     assert not e.wrong and e.finished == {"first": "length", "other": "length"}
     assert e.s.reset_prefix_cache()
@@ -284,15 +382,16 @@ def campaign(guarded: bool, corrupt: Any, monkeypatch: pytest.MonkeyPatch) -> En
     return e
 
 
+@TIERS
 @pytest.mark.parametrize("kind", list(CORRUPTIONS))
 def test_a_rotten_cpu_copy_is_refused_on_load_stock_computes_on_it(
-    kind: str, monkeypatch: pytest.MonkeyPatch
+    kind: str, tier: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    stock = campaign(False, CORRUPTIONS[kind], monkeypatch)
+    stock = campaign(False, CORRUPTIONS[kind], monkeypatch, tier)
     assert stock.wrong == {"retry"}, "stock loads the rotten copy as a prefix hit"
     assert stock.finished == {"retry": "length", "bystander": "length"}  # a normal 200
 
-    guarded = campaign(True, CORRUPTIONS[kind], monkeypatch)
+    guarded = campaign(True, CORRUPTIONS[kind], monkeypatch, tier)
     assert not guarded.wrong, "guarded: no request computes on KV not its own"
     assert guarded.finished == {"retry": "length", "bystander": "length"}
     stats = guarded.s.kvguard_stats()
@@ -305,8 +404,9 @@ def test_a_rotten_cpu_copy_is_refused_on_load_stock_computes_on_it(
     guarded.s.kvguard_pool.check_consistency()
 
 
-def test_an_intact_copy_loads_and_verifies(monkeypatch: pytest.MonkeyPatch) -> None:
-    e = campaign(True, None, monkeypatch)
+@TIERS
+def test_an_intact_copy_loads_and_verifies(tier: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    e = campaign(True, None, monkeypatch, tier)
     assert not e.wrong and e.finished == {"retry": "length", "bystander": "length"}
     stats = e.s.kvguard_stats()
     assert stats["offload_loads_refused"] == 0 and not any(e.refused)

@@ -26,6 +26,8 @@ an :class:`ExitGate`; none reads a block record itself
 * **purge registration** (:meth:`ExitGate.bind` registers the tier's purger with the
   pool's :class:`~kvguard.adapters.vllm.exits.tier_purge.TierPurgers`);
 * **the counters**, under the names of its tier's scheme (:mod:`..metrics`);
+* **verified loads** (seals on): what a load carries to the workers
+  (:data:`LOAD_SEALS`), and where they can be verified (:func:`refuse_seals_for_groups`);
 * **the request-finished gate** for connectors that ship a finished request's KV
   (NIXL, Mooncake, MoRIIO in read mode): :func:`withhold_from_connector`.
 
@@ -45,6 +47,7 @@ from vllm.logger import init_logger
 from vllm.v1.core.kv_cache_utils import resolve_block_hashes
 from vllm.v1.request import RequestStatus
 
+from kvguard.adapters.vllm.config import GuardConfigError
 from kvguard.errors import NotStorableError, PoolMisuseError
 from kvguard.hashing import BlockHash
 from kvguard.results import StoreTicket
@@ -514,6 +517,29 @@ class ExitGate:
                 "(the connector runs on vLLM's own pool): nothing to gate"
             )
         return pool
+
+
+# ---------------------------------------------------------------------- verified loads
+
+
+LOAD_SEALS = "kvguard_load_seals"
+"""The connector metadata's attribute with the seals each load must give: load job id
+(SimpleCPU: load event) -> GPU block id -> the seal its copy carries (None: the copy
+carries none, and is refused)."""
+
+
+def refuse_seals_for_groups(kv_cache_config: Any) -> None:
+    """Seals verify a CPU tier's loads block by block, and vLLM maps a block that failed
+    to load back to its request on models with one KV cache group only (with several
+    it stops the engine): refuse seals with a CPU tier on any other model."""
+    groups = len(kv_cache_config.kv_cache_groups)
+    if groups > 1:
+        raise GuardConfigError(
+            'kvguard\'s seals ("seal": true) verify CPU-tier loads block by block, and '
+            "vLLM maps a block that failed to load back to its request on models with "
+            f"one KV cache group only; this model has {groups}. Switch seals off to "
+            "offload its KV (stores stay gated; loads are then not verified)."
+        )
 
 
 # ---------------------------------------------------------------------- request-finished gate

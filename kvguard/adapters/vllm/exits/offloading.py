@@ -105,8 +105,14 @@ from vllm.v1.kv_offload.base import LookupResult, OffloadingEvent  # noqa: E402
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 
-from kvguard.adapters.vllm.config import GuardConfigError, guard_config  # noqa: E402
-from kvguard.adapters.vllm.exits.gate import ExitGate, group_hashes, group_key  # noqa: E402
+from kvguard.adapters.vllm.config import guard_config  # noqa: E402
+from kvguard.adapters.vllm.exits.gate import (  # noqa: E402
+    LOAD_SEALS,
+    ExitGate,
+    group_hashes,
+    group_key,
+    refuse_seals_for_groups,
+)
 from kvguard.adapters.vllm.metrics import CONNECTOR_HELP  # noqa: E402
 from kvguard.hashing import BlockHash  # noqa: E402
 from kvguard.results import StoreTicket  # noqa: E402
@@ -119,11 +125,6 @@ logger = init_logger(f"vllm.{__name__}")
 
 TIER = "vllm-offload"
 """The tier name kvguard records the connector's copies under (``tier_copies``)."""
-
-
-LOAD_SEALS = "kvguard_load_seals"
-"""The connector metadata's attribute with the seals each load job must give: load job
-id -> GPU block id -> the seal its copy carries (None: the copy carries none)."""
 
 
 @dataclass(slots=True)
@@ -166,14 +167,8 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
         # blocks' seals and chunks, until the job completes).
         self._kvguard_verify = guard_config(vllm_config).seal
         self._kvguard_loads: dict[int, _SealedLoad] = {}
-        if self._kvguard_verify and len(kv_cache_config.kv_cache_groups) > 1:
-            raise GuardConfigError(
-                'kvguard\'s seals ("seal": true) verify CPU-tier loads block by block, '
-                "and vLLM maps a block that failed to load back to its request on models "
-                "with one KV cache group only; this model has "
-                f"{len(kv_cache_config.kv_cache_groups)}. Switch seals off to offload "
-                "its KV (stores stay gated; loads are then not verified)."
-            )
+        if self._kvguard_verify:
+            refuse_seals_for_groups(kv_cache_config)
         self.kvguard_counters = self.kvguard_gate.counters
         # Store job id -> offload key -> the tickets of the blocks that chunk copies.
         self._kvguard_tickets: dict[int, dict[Any, list[StoreTicket]]] = {}

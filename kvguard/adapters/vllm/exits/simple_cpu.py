@@ -45,6 +45,16 @@ is a thin adapter from vLLM's hooks to kvguard's exit gate
   its load) loses its hash at once too; it returns to the CPU pool's free list,
   unhashed, when the load releases it.
 
+**Loads are verified by their seals** (seals on: ``{"kvguard": {"seal": true}}``), as
+the offloading connector's (:mod:`.offloading`): each step's load event carries the
+seal of every GPU block it fills, the one its CPU copy carries
+(:data:`~kvguard.adapters.vllm.exits.offloading.LOAD_SEALS`); when the workers report
+the load done, they seal what they loaded and report the blocks that differ as blocks
+that failed to load (vLLM's ``kv_load_failure_policy`` recomputes or fails the
+request). The scheduler side drops the rotten CPU block and those after it in that
+request's load, counts the load (``offload_loads_refused``) and logs it once with the
+request. With seals on, a model with several KV cache groups is refused at start-up.
+
 KV loaded back from the CPU tier is what any connector loads: the blocks vLLM
 allocated for it are WRITTEN until a step of the request, computing on them, is counted
 clean (the guarded scheduler's rule, :mod:`kvguard.adapters.vllm.scheduler.guarded`). vLLM pins
@@ -82,8 +92,12 @@ from vllm.v1.simple_kv_offload.manager import (  # noqa: E402
 )
 from vllm.v1.simple_kv_offload.metadata import INVALID_JOB_ID  # noqa: E402
 
-from kvguard.adapters.vllm.config import GuardConfigError  # noqa: E402
-from kvguard.adapters.vllm.exits.gate import ExitGate  # noqa: E402
+from kvguard.adapters.vllm.config import GuardConfigError, guard_config  # noqa: E402
+from kvguard.adapters.vllm.exits.gate import (  # noqa: E402
+    LOAD_SEALS,
+    ExitGate,
+    refuse_seals_for_groups,
+)
 from kvguard.adapters.vllm.metrics import CONNECTOR_HELP  # noqa: E402
 from kvguard.hashing import BlockHash  # noqa: E402
 from kvguard.results import StoreTicket  # noqa: E402
@@ -125,10 +139,13 @@ class GuardedSimpleCPUOffloadScheduler(SimpleCPUOffloadScheduler):
     kvguard_counters: dict[str, int]
     _kvguard_tickets: dict[int, list[StoreTicket]]
     _kvguard_groups: tuple[tuple[int, int, bool], ...]
+    _kvguard_verify: bool
 
-    def kvguard_adopt(self) -> None:
-        """Set up kvguard's state on a manager vLLM built (see the class doc)."""
+    def kvguard_adopt(self, verify: bool = False) -> None:
+        """Set up kvguard's state on a manager vLLM built (see the class doc);
+        ``verify``: seals on, loads verified."""
         self.kvguard_gate = ExitGate(TIER, CONNECTOR_HELP)
+        self._kvguard_verify = verify
         self.kvguard_counters = self.kvguard_gate.counters
         # Store event -> the tickets of the GPU blocks it copies, index-parallel with
         # its TransferMeta.gpu_block_ids.
@@ -222,6 +239,8 @@ class GuardedSimpleCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         if gate.pool is not None:
             if meta.store_event != INVALID_JOB_ID:
                 self._kvguard_admit(meta)
+            if self._kvguard_verify and meta.load_event != INVALID_JOB_ID:
+                self._kvguard_expect(meta)
             if gate.num_frontiers() > 2 * len(self._kvguard_groups) * len(self._reqs_to_store) + 64:
                 gate.forget_requests(self._reqs_to_store)  # (amortized: requests gone since)
         return meta
@@ -286,6 +305,55 @@ class GuardedSimpleCPUOffloadScheduler(SimpleCPUOffloadScheduler):
             state.store_events.discard(event)
             if state.finished and not state.store_events:
                 self._cleanup_store_request(req_id)
+
+    # ------------------------------------------------------------------ verified loads
+
+    def _kvguard_expect(self, meta: Any) -> None:
+        """Send, with the step's load event, the seal each GPU block it fills must give:
+        the one its CPU copy carries (None: the copy carries none, or kvguard has no
+        record of it -- refused either way)."""
+        pool = self.kvguard_gate.pool
+        assert pool is not None
+        tier_seal = pool.core.tier_gate.tier_seal
+        recorded = self.kvguard_gate.recorded()
+        seals: dict[int, int | None] = {}
+        for gpu, cpu in zip(meta.load_gpu_blocks, meta.load_cpu_blocks, strict=True):
+            keys = recorded.get(cpu)
+            seals[gpu] = tier_seal(keys[0], TIER) if keys else None
+        setattr(meta, LOAD_SEALS, {meta.load_event: seals})
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        invalid = connector_output.invalid_block_ids
+        if invalid and self._kvguard_verify and self.kvguard_gate.pool is not None:
+            for req_id, state in self._reqs_to_load.items():
+                if state.load_event is not None:
+                    self._kvguard_refuse(req_id, state.transfer_meta, invalid)
+        super().update_connector_output(connector_output)
+
+    def _kvguard_refuse(self, req_id: str, transfer: Any, invalid: set[int]) -> None:
+        """A request's load with a block the workers refused: its CPU block and those
+        after it in the load leave the tier (a lookup stops at the first miss, so
+        nothing past it is reachable under this prefix anyway)."""
+        gpu_ids = transfer.gpu_block_ids
+        first = next((i for i, b in enumerate(gpu_ids) if b in invalid), None)
+        if first is None:
+            return
+        cpus = list(dict.fromkeys(transfer.cpu_block_ids[first:]))
+        gate = self.kvguard_gate
+        gate.forget(cpus)
+        self.cpu_block_pool.evict_blocks(set(cpus))
+        gate.count("offload_loads_refused")
+        gate.count("offload_chunks_purged", len(cpus))
+        logger.warning(
+            "kvguard: request %s: %d block(s) it loaded from tier %s do not verify by "
+            "their seals (the copy rotted, or is not the KV that validated); the load "
+            "fails -- vLLM's kv_load_failure_policy decides whether the request recomputes "
+            "or fails -- and %d CPU block(s) are dropped from the tier",
+            req_id,
+            sum(1 for b in gpu_ids if b in invalid),
+            TIER,
+            len(cpus),
+        )
 
     # ------------------------------------------------------------------ acknowledgements
 
@@ -382,12 +450,43 @@ class GuardedSimpleCPUOffloadConnector(SimpleCPUOffloadConnector):
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        # Worker side, seals on: load event -> GPU block -> the seal its copy carries,
+        # until the event completes; the blocks refused since the last report.
+        self._kvguard_expected: dict[int, dict[int, int | None]] = {}
+        self._kvguard_refused: set[int] = set()
         manager = self.scheduler_manager
         if manager is None:
             return  # a worker, or prefix caching off (vLLM then offloads nothing)
         refuse_unsized_tier(vllm_config)
+        verify = guard_config(vllm_config).seal
+        if verify:
+            refuse_seals_for_groups(kv_cache_config)
         manager.__class__ = GuardedSimpleCPUOffloadScheduler
-        manager.kvguard_adopt()
+        manager.kvguard_adopt(verify)
+
+    # Worker side: each sealed load event is verified when the workers finish it.
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        sealed = getattr(connector_metadata, LOAD_SEALS, None)
+        if sealed:
+            self._kvguard_expected.update(sealed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> Any:
+        finished = super().get_finished(finished_req_ids)
+        expected = self._kvguard_expected
+        handler = self.worker_handler
+        if expected and handler is not None:
+            from kvguard.adapters.vllm.workers.seals import unsealed_blocks
+
+            pending = handler._pending_load_event_indices
+            for event in [e for e in expected if e not in pending]:  # loaded
+                self._kvguard_refused.update(unsealed_blocks(expected.pop(event)))
+        return finished
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        refused, self._kvguard_refused = self._kvguard_refused, set()
+        return set(super().get_block_ids_with_load_errors()) | refused
 
     def kvguard_stats(self) -> dict[str, int]:
         manager = self.scheduler_manager
