@@ -40,11 +40,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector i
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 
 from kvguard.adapters.vllm.config import GuardConfigError  # noqa: E402
-from kvguard.adapters.vllm.exits.offloading import (  # noqa: E402
-    LOAD_SEALS,
-    TIER,
-    GuardedOffloadingConnector,
-)
+from kvguard.adapters.vllm.exits.gate import LOAD_SEALS  # noqa: E402
+from kvguard.adapters.vllm.exits.offloading import TIER, GuardedOffloadingConnector  # noqa: E402
 from kvguard.adapters.vllm.exits.simple_cpu import GuardedSimpleCPUOffloadConnector  # noqa: E402
 from kvguard.adapters.vllm.workers import seals as worker_seals  # noqa: E402
 from kvguard.adapters.vllm.workers.audit import with_seals  # noqa: E402
