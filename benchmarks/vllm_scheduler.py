@@ -11,7 +11,7 @@ per-step best times (each step's fastest of all rounds, on each side) is the res
 Goal: guarded / stock <= 1.02. Run::
 
     python benchmarks/vllm_scheduler.py [--requests 400] [--rounds 7] [--async-scheduling]
-        [--output-tokens 8 64] [--offload [offloading|simple-cpu|simple-cpu-lazy]]
+        [--output-tokens 8 64] [--offload [offloading|simple-cpu|simple-cpu-lazy]] [--seal]
 
 ``--output-tokens MIN MAX`` sets the range each request's output length is drawn from
 (default 8..63: short answers, so admissions, prefill chunks and frees -- the guard's
@@ -43,6 +43,12 @@ ngram method; ngram_gpu under async scheduling; the guarded side with ``KVGUARD_
 which lets it take drafts): the "workers" propose K drafts for every decoding request
 and accept a number of them that depends only on the request and its length, so both
 sides see the same acceptances.
+
+``--seal`` switches seals on on the guarded side (``{"kvguard": {"seal": true}}``): each
+step sends its fills to be sealed, the "workers" return a seal per block with the
+counts (not timed), the pool records them, and with ``--offload`` each load carries its
+blocks' seals to the workers (the scheduler side of seals; the workers' sealing is
+``vllm_engine.py --seal``'s).
 
 ``--control`` runs stock vLLM on both sides: the ratio this method reports for two
 identical schedulers, i.e. its own bias and noise floor on the machine at hand.
@@ -78,6 +84,8 @@ with warnings.catch_warnings():
     from vllm.v1.structured_output import StructuredOutputManager
 
     from kvguard.adapters.vllm.scheduler.guarded import GuardedAsyncScheduler, GuardedScheduler
+    from kvguard.adapters.vllm.workers.audit import with_seals
+    from kvguard.adapters.vllm.workers.seals import SEAL_FIELD
     from tests.vllm.harness import (
         BLOCK,
         connector_output,
@@ -138,7 +146,7 @@ def simple_cpu_scheduler(guarded: bool, args: argparse.Namespace, num_blocks: in
         num_blocks=num_blocks,
         max_num_batched_tokens=512,
         max_num_seqs=64,
-        kvguard={"check_invariants": False},
+        kvguard=guard_settings(guarded, args),
         kv_transfer_config=connector,
     )
     if guarded:
@@ -152,6 +160,14 @@ def simple_cpu_scheduler(guarded: bool, args: argparse.Namespace, num_blocks: in
         block_size=BLOCK,
         log_stats=True,
     )
+
+
+def guard_settings(guarded: bool, args: argparse.Namespace) -> dict[str, Any]:
+    """The guarded side's kvguard settings (``--seal``: seals on)."""
+    settings: dict[str, Any] = {"check_invariants": False}
+    if guarded and args.seal:
+        settings["seal"] = True
+    return settings
 
 
 class Side:
@@ -169,7 +185,7 @@ class Side:
                 num_blocks=num_blocks,
                 max_num_batched_tokens=512,
                 max_num_seqs=64,
-                kvguard={"check_invariants": False},
+                kvguard=guard_settings(guarded, args),
                 groups=args.groups,
                 window=args.window,
                 kv_transfer_config=(
@@ -236,6 +252,16 @@ class Side:
         return out
 
     def worker_output(self, scheduler_output: Any) -> Any:
+        """What the workers send back for a step (with seals on, a seal for each block
+        the step sent to be sealed)."""
+        out = self.unsealed_output(scheduler_output)
+        blocks = getattr(scheduler_output, SEAL_FIELD, None)
+        if blocks:
+            seals = {b: b * 2654435761 % (1 << 61) for ids in blocks.values() for b in ids}
+            out.num_nans_in_logits = with_seals(out.num_nans_in_logits, seals)
+        return out
+
+    def unsealed_output(self, scheduler_output: Any) -> Any:
         """What the workers send back for a step; with offloading, every transfer job
         of the step done (the loading requests' KV received)."""
         s = self.scheduler
@@ -357,6 +383,9 @@ def main() -> None:
         help="speculative decoding with K draft tokens on both sides (ngram)",
     )
     parser.add_argument(
+        "--seal", action="store_true", help="seals on on the guarded side (scheduler side)"
+    )
+    parser.add_argument(
         "--control", action="store_true", help="stock vLLM on both sides (the method's bias)"
     )
     args = parser.parse_args()
@@ -364,6 +393,8 @@ def main() -> None:
         parser.error("--output-tokens needs 1 <= MIN < MAX")
     if not 0 <= args.revisit <= 1:
         parser.error("--revisit needs 0 <= P <= 1")
+    if args.seal and args.async_scheduling:
+        parser.error("--seal needs synchronous scheduling (the guard refuses seals under async)")
     if args.spec_tokens and args.offload:
         parser.error("--spec-tokens and --offload are not combined")
     if args.offload in ("simple-cpu", "simple-cpu-lazy") and args.groups != ("full",):
