@@ -24,6 +24,7 @@ and layout tag chosen by the caller); a copy sealed under another salt never ver
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -127,21 +128,14 @@ if HAS_TRITON:
             tl.atomic_add(seals_ptr + idx, partial)
 
 
-def _fmix64_tensor(k: torch.Tensor) -> torch.Tensor:
-    """fmix64 on an int64 tensor (wrapping arithmetic; logical shifts by masking)."""
-    k = k ^ ((k >> 33) & SHIFT_MASK)
-    k = k * FMIX_C1
-    k = k ^ ((k >> 33) & SHIFT_MASK)
-    k = k * FMIX_C2
-    return k ^ ((k >> 33) & SHIFT_MASK)
-
-
 def seal_blocks_ref(layout: KVCacheLayout, block_ids: torch.Tensor, salt: int = 0) -> torch.Tensor:
     """Pure-torch seals (test oracle and the CPU path): int64 ``[num_ids]``.
 
     ``block_ids``: int64 ``[num_ids]`` on the cache's device, already range-checked.
     Reads each block in the kernel's order (the layout's block region, outermost stride
-    first), so both give the same seal bit for bit.
+    first), so both give the same seal bit for bit. Every layer's blocks are gathered
+    side by side first and mixed in one pass, in place: on a CPU the cost is the number
+    of tensor operations more than the bytes (a decode step seals a block or two).
     """
     item = layout.dtype.itemsize
     region = layout.block_region.in_words(item)
@@ -149,22 +143,39 @@ def seal_blocks_ref(layout: KVCacheLayout, block_ids: torch.Tensor, salt: int = 
     inner = region.inner
     numel = s0 * s1 * s2 * inner
     block_stride = layout.block_stride_bytes // item
-    value_mask = (1 << (8 * item)) - 1
-    positions = torch.arange(numel, dtype=torch.int64, device=layout.device)
-    seals = torch.zeros(block_ids.numel(), dtype=torch.int64, device=layout.device)
-    for layer, cache in enumerate(layout.caches):
+    gathered = []
+    for cache in layout.caches:
         bits = int_view(cache)
-        start = bits.storage_offset()
         blocks = torch.as_strided(
             bits,
             (layout.num_blocks, s0, s1, s2, inner),
             (block_stride, t0, t1, t2, 1),
-            start,
+            bits.storage_offset(),
         )
-        values = blocks.index_select(0, block_ids).reshape(block_ids.numel(), numel)
-        keys = ((positions + layer * numel) << 32) | (values.to(torch.int64) & value_mask)
-        seals += _fmix64_tensor(keys ^ _signed(salt & _M64)).sum(dim=1)
-    return seals
+        gathered.append(blocks.index_select(0, block_ids).reshape(block_ids.numel(), numel))
+    # [num_ids, layers * numel]: the raw bits, zero-extended (read as unsigned).
+    keys = torch.cat(gathered, dim=1).view(_UNSIGNED[item]).to(torch.int64)
+    keys ^= _salted_positions(keys.shape[1], salt, keys.device)  # (p << 32 | x) ^ salt
+    shifted = torch.empty_like(keys)
+    for multiplier in (FMIX_C1, FMIX_C2, None):  # fmix64, in place
+        torch.bitwise_right_shift(keys, 33, out=shifted)
+        shifted &= SHIFT_MASK
+        keys ^= shifted
+        if multiplier is not None:
+            keys *= multiplier
+    return keys.sum(dim=1)
+
+
+_UNSIGNED = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32}
+"""The unsigned integer type of each word size (a word's bits, zero-extended to int64)."""
+
+
+@functools.lru_cache(maxsize=8)
+def _salted_positions(count: int, salt: int, device: torch.device) -> torch.Tensor:
+    """``(p << 32) ^ salt`` for positions ``0 .. count - 1``: the bits of a term that do
+    not depend on the block (its value fills the low 32 bits, zero here)."""
+    positions = torch.arange(count, dtype=torch.int64, device=device) << 32
+    return positions ^ _signed(salt & _M64)
 
 
 def _launch_seal_blocks(
