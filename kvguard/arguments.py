@@ -141,7 +141,17 @@ _INT64 = range(-(1 << 63), 1 << 63)
 
 
 def seals(values: object) -> dict[int, int]:
-    """``validate_blocks``' ``seals``: a mapping of block id (int) to seal (an int64)."""
+    """``validate_blocks``' ``seals``: a mapping of block id (int) to seal (an int64).
+    A plain dict of plain ints in range (a step's seals, every step) is checked with
+    C-level passes and used as it is."""
+    if type(values) is dict:
+        found = values.values()
+        if (
+            _INT_ONLY.issuperset(map(type, values))
+            and _INT_ONLY.issuperset(map(type, found))
+            and (not values or (min(found) >= _INT64.start and max(found) < _INT64.stop))
+        ):
+            return values
     if not isinstance(values, Mapping):
         raise PoolMisuseError(f"seals must be a dict of block id -> seal, got {got(values)}")
     out: dict[int, int] = {}
@@ -155,6 +165,7 @@ def seals(values: object) -> dict[int, int]:
 
 
 _BYTES = frozenset({bytes})
+_INT_ONLY = frozenset({int})
 
 
 def hash_list(name: str, values: object) -> list[BlockHash]:

@@ -92,18 +92,21 @@ class PoolCore:
         written again), and each one it validated with a seal in ``seals`` records it
         (checked already)."""
         recorded = self.seals
-        for block_id in named:
-            recorded.pop(block_id, None)
+        if recorded:
+            pop = recorded.pop
+            for block_id in named:
+                pop(block_id, None)
         if not seals:
             return
         blocks = self.kernel.blocks
-        sealed = 0
-        for block_id in validated:
-            seal = seals.get(block_id)
-            if seal is not None:
-                recorded[block_id] = (blocks[block_id].generation, seal)
-                sealed += 1
-        self.kernel.counters.blocks_sealed += sealed
+        get = seals.get
+        new = {
+            block_id: (blocks[block_id].generation, seal)
+            for block_id in validated
+            if (seal := get(block_id)) is not None
+        }
+        recorded.update(new)
+        self.kernel.counters.blocks_sealed += len(new)
 
     def seal_of(self, block: Block) -> int | None:
         """The block's seal, or None (never sealed, or its bytes changed since)."""

@@ -151,3 +151,21 @@ def test_seals_are_refused_where_they_cannot_be_taken() -> None:
         make_scheduler(async_scheduling=True, kvguard={"seal": True})
     with pytest.raises(GuardConfigError, match="unknown kvguard settings"):
         make_scheduler(kvguard={"seals": True})
+
+
+def test_a_load_is_verified_block_by_block_and_refused_without_a_sealing_runner(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``unsealed_blocks``, the one check every verified load makes: the blocks whose
+    KV does not give the seal their copy carries (or that carry none); every block
+    when the process has no sealing runner (a load nothing can verify is refused)."""
+    runner = _runner()
+    good = worker_seals.seal_step(runner, {"a": [1, 2, 3]})
+    monkeypatch.setattr(worker_seals, "_process_runner", [runner])
+    assert worker_seals.unsealed_blocks(good) == []
+    _cache(runner, 0)[1, 2, 0, 0, 0] = -1.0  # block 2's V in layer 0 rots
+    assert worker_seals.unsealed_blocks(good) == [2]
+    assert worker_seals.unsealed_blocks({**good, 3: None}) == [2, 3]
+    assert worker_seals.unsealed_blocks({}) == []
+    monkeypatch.setattr(worker_seals, "_process_runner", [])
+    assert worker_seals.unsealed_blocks(good) == [1, 2, 3]
