@@ -53,6 +53,7 @@ RUNS_ON: dict[str, tuple[tuple[str, ...], str]] = {
     "test_parallel.py::TestServeDataParallel": (ONLY_032, _ONE_NUMA_NODE),
     "test_recover.py": (BOTH, _RUNNERS + " (the slot wipe)"),
     "test_request_features.py": (ONLY_034, _CURRENT),
+    "test_sealed_nixl.py": (ONLY_034, _CURRENT),
     "test_sealed_storage.py": (ONLY_034, _CURRENT),
     "test_seals.py": (BOTH, _RUNNERS + " (seals ride on the counts each reads back)"),
     "test_serve.py": (ONLY_034, _CURRENT),

@@ -66,6 +66,9 @@ class GuardMetrics:
     tier_copies_purged: int = 0
     """Tier copies (CPU tiers, connector stores) dropped because their hash was
     invalidated (``kvguard_invalidate``, KV that failed to load)."""
+    handoffs_refused: int = 0
+    """Reads of KV handed over by a prefill instance (NIXL) whose blocks did not give
+    their seals, or that carried none (seals on): failed loads."""
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -93,6 +96,9 @@ _HELP = {
         "Finished requests whose KV no connector received (last step not counted clean)"
     ),
     "tier_copies_purged": "Tier copies dropped because their hash was invalidated",
+    "handoffs_refused": (
+        "Reads of KV handed over by a prefill instance that did not verify by their seals"
+    ),
 }
 
 CONNECTOR_HELP = {

@@ -67,6 +67,7 @@ from kvguard.adapters.vllm.config import (
     requested,
     requested_by,
 )
+from kvguard.adapters.vllm.exits import handoff
 from kvguard.adapters.vllm.exits.coverage import GATED, MODULE_PATH
 from kvguard.adapters.vllm.workers import audit as worker_audit
 from kvguard.adapters.vllm.workers import nans as worker_nans
@@ -110,6 +111,7 @@ def activate(*, by_config: bool = False) -> None:
     worker_slots.install()
     worker_audit.install()
     worker_seals.install()
+    handoff.install()
     worker_zeroing.install()
     _active = True
     note_activated(by_config=by_config)

@@ -60,6 +60,7 @@ from kvguard.adapters.vllm.exits.gate import (  # noqa: E402
     NORMAL_ENDS,
     withhold_from_connector,
 )
+from kvguard.adapters.vllm.exits.handoff import expect_handoff_seals, seal_handoff  # noqa: E402
 from kvguard.adapters.vllm.scheduler.invalidation import _Invalidation  # noqa: E402
 from kvguard.adapters.vllm.scheduler.recovery import _Recovery  # noqa: E402
 from kvguard.adapters.vllm.scheduler.startup import _GuardStartUp, logger  # noqa: E402
@@ -99,6 +100,11 @@ class _StepVerdict(_GuardStartUp):
                 self.kvguard_metrics.blocks_audited += sum(map(len, fills.values()))
             if self._kvguard_seal:
                 scheduler_output.kvguard_blocks_to_seal = fills
+        if self._kvguard_seal and scheduler_output.kv_connector_metadata is not None:
+            # Reads of KV a prefill instance handed over: verified by their seals.
+            self._kvguard_handoffs.update(
+                expect_handoff_seals(scheduler_output.kv_connector_metadata, self.requests)
+            )
         if self._kvguard_slots:  # after recover(): wiped before this step's forward
             scheduler_output.kvguard_slots_to_zero = self._kvguard_slots
             self._kvguard_slots = []
@@ -196,6 +202,8 @@ class _StepVerdict(_GuardStartUp):
             if kv_audit:
                 metrics.requests_failed_audit += sum(1 for r in failed if r in kv_audit)
             self._kvguard_log_aborts(aborted, failed, spans, kv_audit, fills)
+        if self._kvguard_handoffs and connector_output is not None:
+            self._kvguard_count_refused_handoffs(connector_output)
         # Stores waiting for this step's verdict (GuardedExampleConnector) are
         # committed or deleted now, before vLLM counts the step in its stats.
         for settle_stores in self._kvguard_settle_stores:
@@ -332,6 +340,19 @@ class _StepVerdict(_GuardStartUp):
             return record
         return StepRecord(scheduler_output, scheduler_output.num_scheduled_tokens)
 
+    def _kvguard_count_refused_handoffs(self, connector_output: Any) -> None:
+        """Count the reads of handed-over KV the workers refused (their blocks reported
+        failed to load; the worker logged why); a read reported done is no longer
+        tracked."""
+        handoffs = self._kvguard_handoffs
+        invalid = connector_output.invalid_block_ids
+        if invalid:
+            for req_id in [r for r, blocks in handoffs.items() if not invalid.isdisjoint(blocks)]:
+                del handoffs[req_id]
+                self.kvguard_metrics.handoffs_refused += 1
+        for req_id in connector_output.finished_recving or ():
+            handoffs.pop(req_id, None)
+
     def _kvguard_load_failures(self, kv_connector_output: Any, record: Any) -> set[str]:
         """Requests of this step whose KV (partly) failed to load from a connector."""
         out = set(kv_connector_output.failed_recving or ())
@@ -457,7 +478,10 @@ class _StepVerdict(_GuardStartUp):
         # request that ended after clean, counted steps is handed to the connector.
         finished = super()._connector_finished  # type: ignore[misc]
         if request.request_id in self._kvguard_clean or self.connector is None:
-            return finished(request)
+            delay_free, params = finished(request)
+            if self._kvguard_seal:
+                seal_handoff(params, self.kvguard_pool.core.block_seal)
+            return delay_free, params
         if request.status in NORMAL_ENDS:
             self.kvguard_metrics.connector_handoffs_withheld += 1
         return withhold_from_connector(finished, request)

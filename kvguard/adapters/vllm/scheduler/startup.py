@@ -40,6 +40,8 @@ from kvguard.adapters.vllm.config import (  # noqa: E402
 )
 from kvguard.adapters.vllm.exits.binding import rebind_connectors, stale_references  # noqa: E402
 from kvguard.adapters.vllm.exits.coverage import gate_of, refuse_ungated  # noqa: E402
+from kvguard.adapters.vllm.exits.gate import refuse_seals_for_groups  # noqa: E402
+from kvguard.adapters.vllm.exits.handoff import reads_handoffs  # noqa: E402
 from kvguard.adapters.vllm.metrics import (  # noqa: E402
     GuardMetrics,
     StatsSender,
@@ -211,6 +213,8 @@ class _GuardStartUp:
             refuse_audit_for_layout(self.vllm_config.parallel_config)
         if guard.seal:
             refuse_seals(self.vllm_config, isinstance(self, AsyncScheduler))
+            if reads_handoffs(self.vllm_config.kv_transfer_config):
+                refuse_seals_for_groups(self.kv_cache_config)
         # Requests being finished because their step failed (never settled clean).
         self._kvguard_failing: dict[str, int] = {}
         # Requests that left after a clean step, whose blocks are not released yet.
@@ -233,6 +237,9 @@ class _GuardStartUp:
         self._kvguard_audit = guard.audit
         # Seals: the workers fingerprint the blocks each step fills.
         self._kvguard_seal = guard.seal
+        # Reads of KV a prefill instance handed over, verified by their seals: request
+        # id -> its local blocks (until the read is reported done).
+        self._kvguard_handoffs: dict[str, set[int]] = {}
         # The blocks vLLM cached, per step in flight (and what else waits): the
         # scheduler's alone, fed from the pool's outbox (_kvguard_take_cached).
         self._kvguard_ledger = StepLedger(settles=self._kvguard_fill_settled)
