@@ -415,6 +415,7 @@ def main() -> None:
         + (f", CPU offloading ({OFFLOAD_MODES[args.offload]})" if args.offload else "")
         + (f", second half revisits the first's prompts (P={args.revisit})" if args.revisit else "")
         + (f", speculative decoding ({args.spec_tokens} draft tokens)" if args.spec_tokens else "")
+        + (", seals on (the guarded side)" if args.seal else "")
         + (", CONTROL RUN: stock vLLM on both sides" if args.control else "")
     )
     # The second side's name in the report ("stock#2" in a control run).
@@ -478,6 +479,12 @@ def main() -> None:
         print(
             f"drafts, per round: stock {stock.drafts_accepted} of {stock.drafts_scheduled} "
             f"accepted, {name} {guard.drafts_accepted} of {guard.drafts_scheduled}"
+        )
+    if args.seal:
+        sealed = guard_rounds[-1].scheduler.kvguard_stats()
+        print(
+            f"seals, per round: {sealed['blocks_sealed']} blocks sealed, "
+            f"{sealed.get('offload_loads_refused', 0)} loads refused"
         )
     print(f"median of per-round ratios: {median:.3f}")
     goal = "(the method's bias: ideally 1.000)" if args.control else "(goal <= 1.02)"

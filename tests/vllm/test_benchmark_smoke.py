@@ -40,6 +40,7 @@ def test_pool_ops_quick_against_vllm() -> None:
         ["--offload", "simple-cpu-lazy", "--blocks", "64", "--revisit", "1", "--async-scheduling"],
         ["--spec-tokens", "3"],
         ["--spec-tokens", "2", "--async-scheduling"],
+        ["--seal", "--offload", "simple-cpu", "--blocks", "64", "--revisit", "1"],
     ],
 )
 def test_scheduler_benchmark_runs_both_schedulers_on_one_trace(mode: list[str]) -> None:
@@ -57,6 +58,10 @@ def test_scheduler_benchmark_runs_both_schedulers_on_one_trace(mode: list[str]) 
         drafts = re.search(r"drafts, per round: stock (\d+) of (\d+) accepted", out)
         assert drafts is not None and 0 < int(drafts.group(1)) < int(drafts.group(2))
         assert f"speculative decoding ({mode[1]} draft tokens)" in out
+    if "--seal" in mode:
+        sealed = re.search(r"seals, per round: (\d+) blocks sealed, 0 loads refused", out)
+        assert sealed is not None and int(sealed.group(1)) > 0, out
+        assert "seals on (the guarded side)" in out
     if mode == ["--offload"]:
         jobs = re.search(r"offloading, per round: stock (\d+) store / \d+ load jobs", out)
         assert jobs is not None and int(jobs.group(1)) > 0
