@@ -15,21 +15,13 @@ that do not give their seals as failed loads, and -- ``kv_load_failure_policy``
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from .conftest import HAVE_ENGINE, SKIP_REASON
-
-HAVE_NIXL = importlib.util.find_spec("nixl") is not None
-
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.skipif(not HAVE_ENGINE, reason=SKIP_REASON),
-    pytest.mark.skipif(not HAVE_NIXL, reason="needs NIXL (pip install nixl)"),
-]
+from .conftest import HAVE_ENGINE
+from .test_nixl import pytestmark  # noqa: F401 (the same marks: an engine, NIXL)
 
 if HAVE_ENGINE:
     from .conftest import shutdown
