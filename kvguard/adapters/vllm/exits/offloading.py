@@ -458,13 +458,16 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
             self._kvguard_groups, req_status.group_states, sizes, starts, strict=True
         ):
             hashes = group_hashes(request.block_hashes, pool.hash_block_size, block_size)
+            keys = group_state.offload_keys
             for k in range(size):
                 block_id = block_ids[offset + k]
                 position = start + k
-                key = group_key(hashes[position], group_id)
-                load.seals[block_id] = tier_seal(key, TIER)
-                chunk = group_state.offload_keys[position // blocks_per_chunk]
-                chunk_of.setdefault(chunk, []).append(block_id)
+                chunk = position // blocks_per_chunk
+                if position < len(hashes) and chunk < len(keys):
+                    load.seals[block_id] = tier_seal(group_key(hashes[position], group_id), TIER)
+                    chunk_of.setdefault(keys[chunk], []).append(block_id)
+                else:  # (a block past the request's full blocks: kvguard stores none)
+                    load.seals[block_id] = None
             offset += size
         load.chunks = list(chunk_of.items())
         return load
