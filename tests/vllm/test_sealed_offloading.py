@@ -188,7 +188,11 @@ class Engine:
     played over ``runner()``'s caches."""
 
     def __init__(
-        self, guarded: bool, monkeypatch: pytest.MonkeyPatch, tier: str = "offloading"
+        self,
+        guarded: bool,
+        monkeypatch: pytest.MonkeyPatch,
+        tier: str = "offloading",
+        policy: str = "recompute",
     ) -> None:
         self.runner = runner()
         monkeypatch.setattr(worker_seals, "_process_runner", [self.runner])
@@ -201,8 +205,8 @@ class Engine:
             self.s = simple_cpu_scheduler(
                 guarded=guarded, kvguard=kvguard, num_blocks=NUM_BLOCKS, cpu_blocks=64
             )
-            self.s.vllm_config.kv_transfer_config.kv_load_failure_policy = "recompute"
-            self.s.recompute_kv_load_failures = True
+            self.s.vllm_config.kv_transfer_config.kv_load_failure_policy = policy
+            self.s.recompute_kv_load_failures = policy == "recompute"
             cls: Any = GuardedSimpleCPUOffloadConnector if guarded else SimpleCPUOffloadConnector
             self.connector = cls(self.s.vllm_config, KVConnectorRole.WORKER, self.s.kv_cache_config)
             self.transfers: Any = SimpleTransfers(self.runner)
@@ -212,7 +216,7 @@ class Engine:
             self.s = make_scheduler(
                 guarded=guarded,
                 kvguard=kvguard,
-                kv_transfer_config=transfer_config(connector, load_failure_policy="recompute"),
+                kv_transfer_config=transfer_config(connector, load_failure_policy=policy),
             )
             # (0.34's workers hand the engine device pointers; the played one takes specs.)
             if hasattr(offload_worker, "resolve_device_pointers"):
@@ -361,11 +365,15 @@ TIERS = pytest.mark.parametrize("tier", ["offloading", "simple-cpu"])
 
 
 def campaign(
-    guarded: bool, corrupt: Any, monkeypatch: pytest.MonkeyPatch, tier: str = "offloading"
+    guarded: bool,
+    corrupt: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    tier: str = "offloading",
+    policy: str = "recompute",
 ) -> Engine:
     """PROMPT and OTHER run and are stored; the GPU prefix cache is dropped; block 2 of
     PROMPT's copy is corrupted; "retry" (PROMPT again) loads it while "bystander" runs."""
-    e = Engine(guarded, monkeypatch, tier)
+    e = Engine(guarded, monkeypatch, tier, policy)
     e.run(make_request("first", PROMPT, max_tokens=2), make_request("other", OTHER, max_tokens=2))
     assert not e.wrong and e.finished == {"first": "length", "other": "length"}
     assert e.s.reset_prefix_cache()
@@ -399,6 +407,19 @@ def test_a_rotten_cpu_copy_is_refused_on_load_stock_computes_on_it(
     assert sum(map(len, guarded.refused)) == 1
     assert stats["offload_chunks_purged"] == 2
     guarded.s.kvguard_pool.check_consistency()
+
+
+@TIERS
+def test_under_the_fail_policy_the_request_that_loaded_it_fails_alone(
+    tier: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``kv_load_failure_policy="fail"``: the request whose load was refused ends with
+    an error -- no wrong answer -- and the bystander completes."""
+    e = campaign(True, flip_exponent, monkeypatch, tier, policy="fail")
+    assert not e.wrong
+    assert e.finished == {"retry": "error", "bystander": "length"}
+    assert e.s.kvguard_stats()["offload_loads_refused"] == 1
+    e.s.kvguard_pool.check_consistency()
 
 
 @TIERS
