@@ -114,7 +114,7 @@ def test_the_workers_refuse_a_read_that_does_not_verify(monkeypatch: pytest.Monk
     connector.get_transfer_results(set())
     assert connector.get_block_ids_with_load_errors() == {2, 99}
     assert connector.get_block_ids_with_load_errors() == {99}  # reported once
-    assert connector.__dict__["_kvguard_expected"] == {"b": {5: 1}}  # still reading
+    assert connector.__dict__["_kvguard_loads"].expected == {"b": {5: 1}}  # still reading
 
 
 @needs_nixl

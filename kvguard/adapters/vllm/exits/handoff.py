@@ -35,6 +35,7 @@ from vllm.logger import init_logger
 
 from kvguard.adapters.vllm.exits.gate import LOAD_SEALS
 from kvguard.adapters.vllm.workers.runner_hooks import RunnerPatches, mark_wrapper
+from kvguard.adapters.vllm.workers.seals import LoadVerifier
 
 logger = init_logger(f"vllm.{__name__}")
 """Under vLLM's logger, as the scheduler's: vLLM's handler, format and level apply."""
@@ -46,6 +47,8 @@ to ``remote_block_ids``)."""
 NIXL_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector"
 
 _MARK = "_kvguard_verifies_handoffs"
+_LOADS = "_kvguard_loads"
+"""Where a patched connector keeps its :class:`LoadVerifier` (its ``__dict__``)."""
 
 
 # ---------------------------------------------------------------------- scheduler side
@@ -136,18 +139,27 @@ def _patch_nixl(module: ModuleType) -> None:
         stock_bind(self, connector_metadata)
         sealed = getattr(connector_metadata, LOAD_SEALS, None)
         if sealed:
-            self.__dict__.setdefault("_kvguard_expected", {}).update(sealed)
+            _loads(self).expect(sealed)
 
     def finished(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = stock_results(self, *args, **kwargs)
-        expected = self.__dict__.get("_kvguard_expected")
-        if expected:
+        loads = self.__dict__.get(_LOADS)
+        if loads is not None and loads.expected:
             received = (out.finished_recving if results == "get_transfer_results" else out[1]) or ()
-            _verify(self, [r for r in received if r in expected], expected)
+            for req_id, bad in loads.verify(received).items():
+                logger.warning(
+                    "kvguard: request %s: %d block(s) it read from its prefill instance do "
+                    "not verify by their seals (the KV is not what validated there, or the "
+                    "handoff carried none); the load fails -- vLLM's kv_load_failure_policy "
+                    "decides whether the request recomputes or fails",
+                    req_id,
+                    len(bad),
+                )
         return out
 
     def get_block_ids_with_load_errors(self: Any) -> set[int]:
-        refused = self.__dict__.pop("_kvguard_refused", set())
+        loads = self.__dict__.get(_LOADS)
+        refused = loads.take_refused() if loads is not None else set()
         return set(stock_errors(self)) | refused
 
     cls.bind_connector_metadata = mark_wrapper(bind_connector_metadata, stock_bind, _MARK)
@@ -167,24 +179,10 @@ def _own(cls: type) -> Iterable[str]:
     return names
 
 
-def _verify(
-    connector: Any, received: list[str], expected: dict[str, dict[int, int | None]]
-) -> None:
-    """Seal what each of ``received`` read; the blocks that differ fail to load."""
-    from kvguard.adapters.vllm.workers.seals import unsealed_blocks
-
-    for req_id in received:
-        bad = unsealed_blocks(expected.pop(req_id))
-        if bad:
-            connector.__dict__.setdefault("_kvguard_refused", set()).update(bad)
-            logger.warning(
-                "kvguard: request %s: %d block(s) it read from its prefill instance do "
-                "not verify by their seals (the KV is not what validated there, or the "
-                "handoff carried none); the load fails -- vLLM's kv_load_failure_policy "
-                "decides whether the request recomputes or fails",
-                req_id,
-                len(bad),
-            )
+def _loads(connector: Any) -> LoadVerifier:
+    """The connector's sealed reads (by request id), made at its first."""
+    loads: LoadVerifier = connector.__dict__.setdefault(_LOADS, LoadVerifier())
+    return loads
 
 
 PATCHES = RunnerPatches({NIXL_MODULE: _patch_nixl})

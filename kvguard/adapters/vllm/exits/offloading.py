@@ -114,6 +114,7 @@ from kvguard.adapters.vllm.exits.gate import (  # noqa: E402
     refuse_seals_for_groups,
 )
 from kvguard.adapters.vllm.metrics import CONNECTOR_HELP  # noqa: E402
+from kvguard.adapters.vllm.workers.seals import LoadVerifier  # noqa: E402
 from kvguard.hashing import BlockHash  # noqa: E402
 from kvguard.results import StoreTicket  # noqa: E402
 
@@ -688,33 +689,19 @@ class GuardedOffloadingConnectorWorker(OffloadingConnectorWorker):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # Load job id -> GPU block -> the seal its copy carries, until the job completes.
-        self._kvguard_expected: dict[int, dict[int, int | None]] = {}
-        self._kvguard_refused: set[int] = set()
+        self.kvguard_loads = LoadVerifier()  # (by load job id)
 
     def start_kv_transfers(self, metadata: Any) -> None:
-        sealed = getattr(metadata, LOAD_SEALS, None)
-        if sealed:
-            self._kvguard_expected.update(sealed)
+        self.kvguard_loads.expect(getattr(metadata, LOAD_SEALS, None))
         super().start_kv_transfers(metadata)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         finished = super().get_finished(finished_req_ids)
-        expected = self._kvguard_expected
-        if expected:
-            from kvguard.adapters.vllm.workers.seals import unsealed_blocks
-
-            failed = getattr(self._connector_worker_meta, "failed_jobs", ())
-            for job_id in [j for j in expected if j not in self._load_jobs]:  # completed
-                seals = expected.pop(job_id)
-                if job_id not in failed:  # (a failed transfer is vLLM's to handle)
-                    self._kvguard_refused.update(unsealed_blocks(seals))
+        loads = self.kvguard_loads
+        if loads.expected:
+            completed = [j for j in loads.expected if j not in self._load_jobs]
+            loads.verify(completed, skip=getattr(self._connector_worker_meta, "failed_jobs", ()))
         return finished
-
-    def kvguard_take_refused(self) -> set[int]:
-        """The GPU blocks whose load was refused since the last call."""
-        refused, self._kvguard_refused = self._kvguard_refused, set()
-        return refused
 
 
 class GuardedOffloadingConnector(OffloadingConnector):
@@ -748,7 +735,7 @@ class GuardedOffloadingConnector(OffloadingConnector):
         refused = super().get_block_ids_with_load_errors()
         if self.connector_worker is None:
             return refused
-        return set(refused) | self.connector_worker.kvguard_take_refused()
+        return set(refused) | self.connector_worker.kvguard_loads.take_refused()
 
     def kvguard_stats(self) -> dict[str, int]:
         if self.connector_scheduler is None:

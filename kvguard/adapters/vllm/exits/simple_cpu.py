@@ -48,7 +48,7 @@ is a thin adapter from vLLM's hooks to kvguard's exit gate
 **Loads are verified by their seals** (seals on: ``{"kvguard": {"seal": true}}``), as
 the offloading connector's (:mod:`.offloading`): each step's load event carries the
 seal of every GPU block it fills, the one its CPU copy carries
-(:data:`~kvguard.adapters.vllm.exits.offloading.LOAD_SEALS`); when the workers report
+(:data:`~kvguard.adapters.vllm.exits.gate.LOAD_SEALS`); when the workers report
 the load done, they seal what they loaded and report the blocks that differ as blocks
 that failed to load (vLLM's ``kv_load_failure_policy`` recomputes or fails the
 request). The scheduler side drops the rotten CPU block and those after it in that
@@ -99,6 +99,7 @@ from kvguard.adapters.vllm.exits.gate import (  # noqa: E402
     refuse_seals_for_groups,
 )
 from kvguard.adapters.vllm.metrics import CONNECTOR_HELP  # noqa: E402
+from kvguard.adapters.vllm.workers.seals import LoadVerifier  # noqa: E402
 from kvguard.hashing import BlockHash  # noqa: E402
 from kvguard.results import StoreTicket  # noqa: E402
 
@@ -450,10 +451,8 @@ class GuardedSimpleCPUOffloadConnector(SimpleCPUOffloadConnector):
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        # Worker side, seals on: load event -> GPU block -> the seal its copy carries,
-        # until the event completes; the blocks refused since the last report.
-        self._kvguard_expected: dict[int, dict[int, int | None]] = {}
-        self._kvguard_refused: set[int] = set()
+        # Worker side, seals on: the sealed load events until they complete.
+        self._kvguard_loads = LoadVerifier()
         manager = self.scheduler_manager
         if manager is None:
             return  # a worker, or prefix caching off (vLLM then offloads nothing)
@@ -468,24 +467,18 @@ class GuardedSimpleCPUOffloadConnector(SimpleCPUOffloadConnector):
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         super().bind_connector_metadata(connector_metadata)
-        sealed = getattr(connector_metadata, LOAD_SEALS, None)
-        if sealed:
-            self._kvguard_expected.update(sealed)
+        self._kvguard_loads.expect(getattr(connector_metadata, LOAD_SEALS, None))
 
     def get_finished(self, finished_req_ids: set[str]) -> Any:
         finished = super().get_finished(finished_req_ids)
-        expected = self._kvguard_expected
-        handler = self.worker_handler
-        if expected and handler is not None:
-            from kvguard.adapters.vllm.workers.seals import unsealed_blocks
-
+        loads, handler = self._kvguard_loads, self.worker_handler
+        if loads.expected and handler is not None:
             pending = handler._pending_load_event_indices
-            for event in [e for e in expected if e not in pending]:  # loaded
-                self._kvguard_refused.update(unsealed_blocks(expected.pop(event)))
+            loads.verify([e for e in loads.expected if e not in pending])  # loaded
         return finished
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        refused, self._kvguard_refused = self._kvguard_refused, set()
+        refused = self._kvguard_loads.take_refused()
         return set(super().get_block_ids_with_load_errors()) | refused
 
     def kvguard_stats(self) -> dict[str, int]:

@@ -28,7 +28,7 @@ dtype, block size or layout never verifies here.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -111,6 +111,44 @@ def unsealed_blocks(expected: Mapping[int, int | None]) -> list[int]:
     return [block_id for block_id, seal in expected.items() if got.get(block_id) != seal]
 
 
+class LoadVerifier:
+    """A connector worker side's sealed loads until each completes: the seal each block
+    it fills must give (load key -> block id -> seal; the key is the connector's: a
+    load job, a load event, a request), and the blocks refused since the last report
+    (what ``get_block_ids_with_load_errors`` adds). Every sealed exit's worker side
+    keeps one."""
+
+    def __init__(self) -> None:
+        self.expected: dict[Any, dict[int, int | None]] = {}
+        self._refused: set[int] = set()
+
+    def expect(self, sealed: Mapping[Any, dict[int, int | None]] | None) -> None:
+        """The loads a step's connector metadata sends (its ``LOAD_SEALS``, if any)."""
+        if sealed:
+            self.expected.update(sealed)
+
+    def verify(self, done: Iterable[Any], skip: Container[Any] = ()) -> dict[Any, list[int]]:
+        """Each expected load of ``done`` completed: seal what it filled
+        (:func:`unsealed_blocks`) and refuse the blocks that differ; one in ``skip``
+        (its transfer failed: vLLM's to handle) is dropped unverified. Returns the
+        loads with refused blocks, and those blocks."""
+        refused: dict[Any, list[int]] = {}
+        for key in [k for k in done if k in self.expected]:
+            seals = self.expected.pop(key)
+            if key in skip:
+                continue
+            bad = unsealed_blocks(seals)
+            if bad:
+                refused[key] = bad
+                self._refused.update(bad)
+        return refused
+
+    def take_refused(self) -> set[int]:
+        """The blocks refused since the last call."""
+        refused, self._refused = self._refused, set()
+        return refused
+
+
 def _patch_v1(module: ModuleType) -> None:
     runner = module.GPUModelRunner
     stock = runner._bookkeeping_sync
@@ -188,6 +226,7 @@ def runner_seals(runner: Any) -> bool:
 __all__ = [
     "SEAL_FIELD",
     "AuditedCounts",
+    "LoadVerifier",
     "install",
     "runner_seals",
     "seal_step",
