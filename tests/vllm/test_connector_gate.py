@@ -88,7 +88,7 @@ def _config(name: str, multi: bool) -> KVTransferConfig:
 @pytest.mark.parametrize("name", REFUSED)
 def test_a_connector_saving_during_the_forward_refuses_the_start(name: str, multi: bool) -> None:
     """Refused from the config -- the guarded scheduler's first act, before vLLM builds
-    the connector (LMCache's does not even import without lmcache): the message names
+    the connector (some do not even import without their package): the message names
     the connector and what to run instead."""
     with pytest.raises(GuardConfigError, match=f"KV connector {name}: ") as e:
         refuse_ungated(_config(name, multi))
@@ -126,8 +126,7 @@ def test_an_unknown_connector_is_refused_unless_it_declares_its_exit() -> None:
 @pytest.mark.parametrize(
     ("name", "extra", "role", "exit_"),
     [
-        ("LMCacheConnectorV1", {}, "kv_both", Exit.REFUSED),
-        ("LMCacheConnectorV1", {}, "kv_consumer", Exit.LOADS_ONLY),
+        ("MooncakeStoreConnector", {}, "kv_both", Exit.REFUSED),
         ("MooncakeStoreConnector", {}, "kv_consumer", Exit.LOADS_ONLY),
         ("LMCacheMPConnector", {}, "kv_consumer", Exit.REFUSED),
         ("MoRIIOConnector", {}, "kv_producer", Exit.REFUSED),
@@ -138,7 +137,7 @@ def test_an_unknown_connector_is_refused_unless_it_declares_its_exit() -> None:
 def test_the_setting_that_makes_a_connector_gateable(
     name: str, extra: dict[str, Any], role: str, exit_: Exit
 ) -> None:
-    """A decode-side LMCache or Mooncake store saves nothing (loads only); MoRIIO in
+    """A decode-side Mooncake store saves nothing (loads only); MoRIIO in
     read mode ships only finished requests' blocks. The refusal names the setting."""
     assert coverage_of(name, None, extra, role).exit is exit_
     if exit_ is Exit.REFUSED and name != "LMCacheMPConnector":

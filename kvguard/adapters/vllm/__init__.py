@@ -20,6 +20,7 @@ from kvguard.adapters.vllm.config import GuardConfig, GuardConfigError
 
 if TYPE_CHECKING:
     from kvguard.adapters.vllm.exits.example_connector import GuardedExampleConnector
+    from kvguard.adapters.vllm.exits.lmcache import GuardedLMCacheConnectorV1
     from kvguard.adapters.vllm.exits.offloading import GuardedOffloadingConnector
     from kvguard.adapters.vllm.exits.simple_cpu import GuardedSimpleCPUOffloadConnector
     from kvguard.adapters.vllm.exits.tier_purge import TierPurgeReport
@@ -36,6 +37,7 @@ __all__ = [
     "GuardedAsyncScheduler",
     "GuardedBlockPool",
     "GuardedExampleConnector",
+    "GuardedLMCacheConnectorV1",
     "GuardedOffloadingConnector",
     "GuardedScheduler",
     "GuardedSimpleCPUOffloadConnector",
@@ -58,6 +60,7 @@ _LAZY = {
     "GuardedOffloadingConnector": "exits.offloading",
     "GuardedSimpleCPUOffloadConnector": "exits.simple_cpu",
     "GuardedExampleConnector": "exits.example_connector",
+    "GuardedLMCacheConnectorV1": "exits.lmcache",
     "TierPurgeReport": "exits.tier_purge",
     "RecoveryReport": "scheduler.recovery",
     "ResumedRequest": "scheduler.recovery",

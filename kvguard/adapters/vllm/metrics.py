@@ -131,7 +131,23 @@ STORAGE_COUNTERS = {
 }
 """The guarded example (shared-storage) connector's counters, with their help."""
 
-SERVED_CONNECTOR_HELP = {**CONNECTOR_HELP, **STORAGE_COUNTERS}
+LMCACHE_COUNTERS = {
+    "lmcache_chunks_stored": "LMCache chunks saved after every block of theirs validated",
+    "lmcache_hits_cut": (
+        "LMCache hits cut before a chunk kvguard holds no seal for (seals on: recomputed)"
+    ),
+    "lmcache_chunks_purged": (
+        "LMCache chunks removed: a hash they hold was invalidated, or a load of them did "
+        "not verify by its seals"
+    ),
+    "lmcache_loads_refused": (
+        "LMCache loads refused: the loaded KV did not verify by its seals (vLLM's "
+        "kv_load_failure_policy recomputes or fails the request)"
+    ),
+}
+"""The guarded LMCache connector's counters, with their help."""
+
+SERVED_CONNECTOR_HELP = {**CONNECTOR_HELP, **STORAGE_COUNTERS, **LMCACHE_COUNTERS}
 """Every guarded connector's counters, served on ``/metrics`` (0 without one)."""
 
 

@@ -30,11 +30,11 @@ given (the plugin loads before any config is in reach):
   model needs vLLM's own zeroing (Mamba, mixed-precision caches);
 * selects the guarded scheduler when none was chosen (``--scheduler-cls`` unset):
   ``GuardedAsyncScheduler`` with async scheduling, else ``GuardedScheduler``;
-* registers ``GuardedOffloadingConnector`` and ``GuardedSimpleCPUOffloadConnector``
-  with vLLM's connector factory and gives them to ``kv_connector="OffloadingConnector"``
-  and ``"SimpleCPUOffloadConnector"``, also as a ``MultiConnector``'s children
-  (subclasses: workers run vLLM's code; stores cover validated blocks only, see
-  :mod:`kvguard.adapters.vllm.exits.offloading`, :mod:`kvguard.adapters.vllm.exits.simple_cpu`);
+* registers kvguard's gated connectors (:data:`.exits.coverage.GATED`) with vLLM's
+  connector factory and gives them to ``kv_connector="OffloadingConnector"``,
+  ``"SimpleCPUOffloadConnector"``, ``"ExampleConnector"`` and ``"LMCacheConnectorV1"``,
+  also as a ``MultiConnector``'s children (subclasses: their stores cover validated
+  blocks only, see :mod:`kvguard.adapters.vllm.exits`);
 * makes vLLM's model runners count NaN logits per request rather than per logits row,
   which is what lets the guard validate steps under speculative decoding (see
   :mod:`kvguard.adapters.vllm.workers.nans`; applied when a runner's module is imported).

@@ -4,19 +4,20 @@ KV leaves (or enters) an instance through a connector at one of three moments, a
 that moment decides how kvguard can gate it:
 
 * **copies the scheduler side picks** (vLLM's CPU offloading, SimpleCPU offloading,
-  the example connector's shared storage): kvguard's subclass of the connector copies,
-  or makes visible, only blocks whose steps validated, through the exit gate
-  (:mod:`.gate`); the plugin substitutes it for vLLM's class (:data:`GATED`). vLLM's
-  own class under a guarded scheduler is refused, naming the subclass.
+  the example connector's shared storage, LMCache's saves): kvguard's subclass of the
+  connector copies, makes visible or asks its workers to save only blocks whose steps
+  validated, through the exit gate (:mod:`.gate`); the plugin substitutes it for
+  vLLM's class (:data:`GATED`). vLLM's own class under a guarded scheduler is refused,
+  naming the subclass.
 * **KV of a finished request**, shipped from ``request_finished`` (prefill/decode:
   NIXL, Mooncake, MoRIIO in read mode): the request-finished gate
   (:func:`.gate.withhold_from_connector`) shows the connector a request that did not
   end after clean, counted steps as aborted, so it sends and keeps nothing of it, and
   hands the client no transfer parameters.
 * **KV saved by the workers during the forward**, before the step's NaN count exists
-  (LMCache, Mooncake's and UMBP's stores, HF3FS, FlexKV, ...): nothing on the
-  scheduler side can hold such a save back, and these stores offer the scheduler no
-  delete. They are refused at start-up, with the reason and what to run instead.
+  (LMCache's multiprocess server, Mooncake's and UMBP's stores, HF3FS, FlexKV, ...):
+  nothing on the scheduler side can hold such a save back, and these stores offer the
+  scheduler no delete. They are refused at start-up, with the reason and what to run instead.
 
 KV a connector *loads* is gated for every connector alike by the guarded scheduler:
 the blocks it fills are WRITTEN until a step of the request, computing on them, is
@@ -101,6 +102,7 @@ COVERAGE: dict[str, Coverage] = {
         "simple_cpu_offload_connector", "SimpleCPUOffloadConnector"
     ),
     "GuardedExampleConnector": _gated("example_connector", "ExampleConnector"),
+    "GuardedLMCacheConnectorV1": _gated("lmcache_connector", "LMCacheConnectorV1"),
     # Prefill/decode: the decode instance reads (or is sent) a finished request's
     # blocks; each sends only for a request that ended normally.
     "NixlConnector": Coverage(Exit.AT_FINISH),
@@ -120,7 +122,6 @@ COVERAGE: dict[str, Coverage] = {
     "DecodeBenchConnector": Coverage(Exit.LOADS_ONLY),
     "HiSparseConnector": Coverage(Exit.IN_INSTANCE),
     # Saved from the forward, or whatever the request's steps computed.
-    "LMCacheConnectorV1": _refused(_FORWARD_SAVE, consumer=True),
     "LMCacheMPConnector": _refused(
         "its workers send each step's KV to the LMCache server right after the forward, "
         f"before the step's NaN count exists, {_NO_DELETE}"
