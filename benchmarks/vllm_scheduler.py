@@ -11,7 +11,8 @@ per-step best times (each step's fastest of all rounds, on each side) is the res
 Goal: guarded / stock <= 1.02. Run::
 
     python benchmarks/vllm_scheduler.py [--requests 400] [--rounds 7] [--async-scheduling]
-        [--output-tokens 8 64] [--offload [offloading|simple-cpu|simple-cpu-lazy]] [--seal]
+        [--output-tokens 8 64] [--offload [offloading|simple-cpu|simple-cpu-lazy|lmcache]]
+        [--seal]
 
 ``--output-tokens MIN MAX`` sets the range each request's output length is drawn from
 (default 8..63: short answers, so admissions, prefill chunks and frees -- the guard's
@@ -30,7 +31,12 @@ guarded side runs kvguard's ``GuardedOffloadingConnector``, its offload gate); t
 mode instead, the guarded side kvguard's ``GuardedSimpleCPUOffloadConnector`` (what the
 plugin substitutes for it), one full-attention group, a CPU tier four times the GPU
 pool; the "workers" report every store event and every load event done with the output
-of the step that sent it. Each prints what both sides stored and loaded per round.
+of the step that sent it. ``--offload lmcache`` gives them vLLM's ``LMCacheConnectorV1``
+with LMCache's own scheduler side (the guarded side kvguard's
+``GuardedLMCacheConnectorV1``; needs the ``lmcache`` package and vLLM 0.33, the last
+series LMCache 0.5.6 drives): the "workers" keep the chunk hashes each step's metadata
+asks them to save, and LMCache's lookups are answered from them. Each prints what both
+sides stored and loaded per round.
 
 ``--revisit P``: each request of the trace's second half repeats, with probability P,
 the prompt and output length of the request half a trace before it. Under ``--offload``
@@ -105,6 +111,7 @@ OFFLOAD_MODES = {
     "offloading": "OffloadingConnector",
     "simple-cpu": "SimpleCPUOffloadConnector, eager",
     "simple-cpu-lazy": "SimpleCPUOffloadConnector, lazy",
+    "lmcache": "LMCacheConnectorV1",
 }
 """``--offload``'s choices: the connector both sides run (bare ``--offload``: the first)."""
 
@@ -162,6 +169,65 @@ def simple_cpu_scheduler(guarded: bool, args: argparse.Namespace, num_blocks: in
     )
 
 
+class LMCacheChunks:
+    """LMCache's store as its lookups see it: the chunk hashes (LMCache's own, from its
+    scheduler side's token database) the workers were asked to save; LMCache's lookup
+    client, answered from them."""
+
+    def __init__(self, token_database: Any) -> None:
+        self.db = token_database
+        self.saved: set[int] = set()
+        self.loaded_tokens = 0
+
+    def save(self, m: Any) -> int:
+        """Save what one ``ReqMeta`` asks for; returns how many chunks."""
+        skip = m.save_spec.skip_leading_tokens // self.db.chunk_size * self.db.chunk_size
+        new = [h for start, _, h in self.db.process_tokens(m.token_ids, make_key=False)]
+        new = new[skip // self.db.chunk_size :]
+        self.saved.update(new)
+        return len(new)
+
+    def lookup(self, token_ids: Any, lookup_id: str, request_configs: Any = None) -> int:
+        hit = 0
+        for _, stop, chunk_hash in self.db.process_tokens(list(token_ids), make_key=False):
+            if chunk_hash not in self.saved:
+                break
+            hit = stop
+        return hit
+
+    def lookup_cache(self, lookup_id: str) -> int:
+        return -1
+
+    def clear_lookup_status(self, lookup_id: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def lmcache_scheduler(guarded: bool, args: argparse.Namespace, num_blocks: int) -> Any:
+    """A scheduler with LMCache (``--offload lmcache``): LMCache's lookups answered by
+    :class:`LMCacheChunks` (which the "workers" fill)."""
+    connector = KVTransferConfig(
+        kv_connector="GuardedLMCacheConnectorV1" if guarded else "LMCacheConnectorV1",
+        kv_connector_module_path="kvguard.adapters.vllm" if guarded else None,
+        kv_role="kv_both",
+        kv_connector_extra_config={"lmcache.chunk_size": 4 * BLOCK},
+    )
+    scheduler = make_scheduler(
+        guarded=guarded,
+        num_blocks=num_blocks,
+        max_num_batched_tokens=512,
+        max_num_seqs=64,
+        kvguard=guard_settings(guarded, args),
+        kv_transfer_config=connector,
+    )
+    impl = scheduler.connector._lmcache_engine
+    impl.lookup_client.close()  # (its sockets: no LMCache worker answers here)
+    impl._manager._lookup_client = LMCacheChunks(impl.lookup_client.token_database)
+    return scheduler
+
+
 def guard_settings(guarded: bool, args: argparse.Namespace) -> dict[str, Any]:
     """The guarded side's kvguard settings (``--seal``: seals on)."""
     settings: dict[str, Any] = {"check_invariants": False}
@@ -178,6 +244,8 @@ class Side:
         self.offload: str | None = args.offload
         if self.offload in ("simple-cpu", "simple-cpu-lazy"):
             self.scheduler: Any = simple_cpu_scheduler(guarded, args, num_blocks)
+        elif self.offload == "lmcache":
+            self.scheduler = lmcache_scheduler(guarded, args, num_blocks)
         else:
             self.scheduler = make_scheduler(
                 guarded=guarded,
@@ -269,6 +337,8 @@ class Side:
             return self.spec_output(scheduler_output)
         if not self.offload:
             return model_output(s, scheduler_output)
+        if self.offload == "lmcache":
+            return self.lmcache_output(scheduler_output)
         if self.offload != "offloading":
             return self.simple_cpu_output(scheduler_output)
         meta = offloading_metadata(scheduler_output)
@@ -300,6 +370,25 @@ class Side:
             finished_recving=set(received) or None,
             kv_connector_worker_meta=SimpleCPUOffloadWorkerMetadata(completed_store_events=done),
         )
+        return out
+
+    def lmcache_output(self, scheduler_output: Any) -> Any:
+        """LMCache's workers: each save the step's metadata asks for is kept (the
+        chunks' hashes), each load done; a finished request the guarded side kept for
+        its last save is reported done sending."""
+        meta = scheduler_output.kv_connector_metadata
+        chunks = self.scheduler.connector._lmcache_engine.lookup_client
+        for m in meta.requests:
+            if m.save_spec is not None and m.save_spec.can_save:
+                self.store_jobs += 1
+                self.stored_blocks += chunks.save(m)
+            if m.load_spec is not None and m.load_spec.can_load:
+                self.load_jobs += 1
+                self.loaded_blocks += m.load_spec.lmcache_cached_tokens
+        out = model_output(self.scheduler, scheduler_output)
+        finishing = getattr(meta, "kvguard_finish_after_save", None)
+        if finishing:
+            out.kv_connector_output = KVConnectorOutput(finished_sending=set(finishing))
         return out
 
 
@@ -397,6 +486,11 @@ def main() -> None:
         parser.error("--seal needs synchronous scheduling (the guard refuses seals under async)")
     if args.spec_tokens and args.offload:
         parser.error("--spec-tokens and --offload are not combined")
+    if args.offload == "lmcache":
+        os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")  # (a line per request)
+        os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
+        if args.groups != ("full",) or args.async_scheduling:
+            parser.error("--offload lmcache runs one full-attention group, sync scheduling")
     if args.offload in ("simple-cpu", "simple-cpu-lazy") and args.groups != ("full",):
         parser.error(f"--offload {args.offload} runs one full-attention group (no --groups)")
     if args.spec_tokens:
@@ -466,6 +560,14 @@ def main() -> None:
             f"offloading, per round: stock {stock.store_jobs} store / {stock.load_jobs} load "
             f"jobs, {name} {guard.store_jobs} / {guard.load_jobs}"
         )
+    elif args.offload == "lmcache":
+        stock, guard = stock_rounds[-1], guard_rounds[-1]
+        print(
+            f"LMCache, per round: stock {stock.stored_blocks} chunks saved / "
+            f"{stock.loaded_blocks} tokens loaded ({stock.store_jobs} saves / "
+            f"{stock.load_jobs} loads), {name} {guard.stored_blocks} / {guard.loaded_blocks} "
+            f"({guard.store_jobs} / {guard.load_jobs})"
+        )
     elif args.offload:
         stock, guard = stock_rounds[-1], guard_rounds[-1]
         print(
@@ -484,7 +586,8 @@ def main() -> None:
         sealed = guard_rounds[-1].scheduler.kvguard_stats()
         print(
             f"seals, per round: {sealed['blocks_sealed']} blocks sealed, "
-            f"{sealed.get('offload_loads_refused', 0)} loads refused"
+            f"{sealed.get('offload_loads_refused', 0) + sealed.get('lmcache_loads_refused', 0)} "
+            "loads refused"
         )
     print(f"median of per-round ratios: {median:.3f}")
     goal = "(the method's bias: ideally 1.000)" if args.control else "(goal <= 1.02)"

@@ -522,6 +522,34 @@ def test_lmcache_modes_kvguard_cannot_gate_are_refused(setting: str) -> None:
         make_scheduler(kv_transfer_config=config(True, "recompute", **{f"lmcache.{setting}": True}))
 
 
+def test_the_producer_role_is_refused() -> None:
+    """As ``kv_producer`` LMCache's workers save every request a step carries, whatever
+    the scheduler's metadata asks."""
+    producer = config(True)
+    producer.kv_role = "kv_producer"
+    with pytest.raises(GuardConfigError, match="kv_producer"):
+        make_scheduler(kv_transfer_config=producer)
+
+
+@needs_driving
+def test_the_record_of_lmcache_chunks_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """LMCache evicts without telling the scheduler: kvguard keeps a record of at most
+    ``record_limit`` chunks, forgetting the oldest (their hits are then cut)."""
+    e = Engine(True, monkeypatch)
+    e.s.connector._kvguard_record_limit = 2
+    e.run(make_request("a", PROMPT, max_tokens=2), make_request("b", OTHER, max_tokens=2))
+    gate = e.s.connector.kvguard_gate
+    assert len(gate.recorded()) == 2 and e.s.kvguard_stats()["lmcache_chunks_stored"] == 4
+    e.s.kvguard_pool.check_consistency()
+    assert e.s.reset_prefix_cache()
+    e.metas.clear()
+    e.run(
+        make_request("again", PROMPT + [7], max_tokens=2), make_request("b2", OTHER, max_tokens=2)
+    )
+    assert not e.wrong
+    assert e.s.kvguard_stats()["lmcache_hits_cut"] == 1  # one prompt's records went
+
+
 def test_vllms_own_class_is_refused_under_the_guard() -> None:
     with pytest.raises(GuardConfigError, match="GuardedLMCacheConnectorV1"):
         make_scheduler(kv_transfer_config=config(False))

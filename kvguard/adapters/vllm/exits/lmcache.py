@@ -108,8 +108,11 @@ class _Save:
     """Tokens LMCache means to hold of the request."""
     saved: int
     """Tokens saved so far (LMCache's skip point)."""
-    block_ids: list[int] | None = None
-    """A finished request's blocks, kept for its last save (None while it runs)."""
+    table: list[int]
+    """The request's block table, as LMCache's tracker of it keeps it (appended to as
+    the request runs; a new list when it resumes after a preemption)."""
+    finished: bool = False
+    """The request finished and keeps its blocks for this save."""
 
 
 @dataclass(slots=True)
@@ -125,10 +128,28 @@ def _config_of(impl: Any) -> Any:
     return getattr(impl, "config", None)
 
 
-def refuse_ungated_modes(config: Any) -> None:
-    """Refuse an LMCache configuration kvguard cannot gate (:data:`_UNGATED_MODES`)."""
+def refuse_ungated_modes(kv_transfer_config: Any) -> None:
+    """Refuse an LMCache configuration kvguard cannot gate (:data:`_UNGATED_MODES`, or
+    the producer role), as LMCache will read it -- its configuration (file or
+    environment) under the connector's ``lmcache.*`` settings -- before LMCache starts
+    its services."""
+    if kv_transfer_config.kv_role == "kv_producer":
+        raise GuardConfigError(
+            'kvguard cannot gate LMCache with kv_role="kv_producer": its workers then save '
+            "every request a step carries, whatever the scheduler asks. Use "
+            '"kv_both", or run LMCache unguarded (KVGUARD_GUARD=0)'
+        )
+    extra = dict(kv_transfer_config.kv_connector_extra_config or {})
+    config: Any = None
     for name, why in _UNGATED_MODES.items():
-        if getattr(config, name, False):
+        value = extra.get(f"lmcache.{name}")
+        if value is None:
+            if config is None:
+                from lmcache.integration.vllm.utils import lmcache_get_or_create_config
+
+                config = lmcache_get_or_create_config()
+            value = getattr(config, name, False)
+        if str(value).strip().lower() in ("1", "true", "yes", "on"):
             raise GuardConfigError(
                 f"kvguard cannot gate LMCache with {name}: {why}. Switch it off, or run "
                 "LMCache unguarded (KVGUARD_GUARD=0)"
@@ -140,22 +161,19 @@ class GuardedLMCacheConnectorV1(LMCacheConnectorV1):
     loads are verified by their seals (seals on)."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        refuse_ungated_modes(vllm_config.kv_transfer_config)
         super().__init__(vllm_config, role, kv_cache_config)
         impl = self._lmcache_engine
         config = _config_of(impl)
-        if config is not None:
-            try:
-                refuse_ungated_modes(config)
-            except GuardConfigError:
-                impl.shutdown()  # (LMCache started its services: its sockets, its threads)
-                raise
         self._kvguard_verify = guard_config(vllm_config).seal
         if self._kvguard_verify and kv_cache_config is not None:
             refuse_seals_for_groups(kv_cache_config)
         self._kvguard_block = vllm_config.cache_config.block_size
         self._kvguard_chunk = int(getattr(config, "chunk_size", 256))
         self.kvguard_gate = ExitGate(TIER, LMCACHE_COUNTERS)
-        self._kvguard_manager: Any = None
+        self._kvguard_record_limit = record_limit(
+            config, kv_cache_config, self._kvguard_block, self._kvguard_chunk
+        )
         self._kvguard_requests: dict[str, Any] = {}
         self._kvguard_saves: dict[str, _Save] = {}
         self._kvguard_purge: list[int] = []
@@ -179,7 +197,6 @@ class GuardedLMCacheConnectorV1(LMCacheConnectorV1):
         parent = getattr(super(), "bind_kv_cache_manager", None)
         if parent is not None:
             parent(kv_cache_manager)
-        self._kvguard_manager = kv_cache_manager
         self.kvguard_gate.bind(getattr(kv_cache_manager, "block_pool", None), self._kvguard_purger)
 
     def kvguard_pool(self) -> GuardedBlockPool | None:
@@ -231,7 +248,7 @@ class GuardedLMCacheConnectorV1(LMCacheConnectorV1):
             return meta
         for req_id in scheduler_output.finished_req_ids:
             save = self._kvguard_saves.get(req_id)
-            if save is None or save.block_ids is None:
+            if save is None or not save.finished:
                 self._kvguard_saves.pop(req_id, None)
                 self._kvguard_requests.pop(req_id, None)
         self._kvguard_loads.clear()
@@ -252,16 +269,18 @@ class GuardedLMCacheConnectorV1(LMCacheConnectorV1):
         """Take each save LMCache asked for this step out of the metadata: it goes out
         (:meth:`_kvguard_issue`) as far as its blocks validated."""
         saves = self._kvguard_saves
+        trackers = self._lmcache_engine._request_trackers
         for m in requests:
             spec = m.save_spec
             if spec is None or not spec.can_save:
                 continue
             spec.can_save = False
             save = saves.get(m.req_id)
-            if save is None or spec.skip_leading_tokens < save.saved:
+            table = trackers[m.req_id].allocated_block_ids
+            if save is None or save.table is not table:
                 # A new save, or LMCache started the request again (preempted): its
                 # skip point is LMCache's.
-                saves[m.req_id] = _Save(m, len(m.token_ids), spec.skip_leading_tokens)
+                saves[m.req_id] = _Save(m, len(m.token_ids), spec.skip_leading_tokens, table)
             elif len(m.token_ids) >= save.target:
                 save.template, save.target = m, len(m.token_ids)
 
@@ -270,20 +289,28 @@ class GuardedLMCacheConnectorV1(LMCacheConnectorV1):
         gate = self.kvguard_gate
         chunk = self._kvguard_chunk
         size = self._kvguard_block
+        trackers = self._lmcache_engine._request_trackers
         for req_id, save in list(self._kvguard_saves.items()):
-            if save.saved >= save.target:
+            if save.finished:
+                # A finished request keeping its blocks for this save: the workers report
+                # it done (vLLM frees its blocks) whether or not the save goes out.
+                self._kvguard_finishing.append(req_id)
+                del self._kvguard_saves[req_id]
+                request = self._kvguard_requests.pop(req_id, None)
+            elif save.saved >= save.target:
+                continue  # (most requests, most steps)
+            else:
+                request = self._kvguard_requests.get(req_id)
+                tracker = trackers.get(req_id)
+                if tracker is None or tracker.allocated_block_ids is not save.table:
+                    del self._kvguard_saves[req_id]  # (preempted: LMCache saves it again)
+                    continue
+            if save.saved >= save.target or request is None:
                 continue
-            request = self._kvguard_requests.get(req_id)
-            if request is None:
-                continue
-            block_ids = save.block_ids
-            finished = block_ids is not None
-            if block_ids is None:
-                block_ids = self._kvguard_block_ids(req_id)
-            if not self._kvguard_same_blocks(save, block_ids):
-                del self._kvguard_saves[req_id]  # (preempted: LMCache saves it again)
-                continue
-            n = gate.frontier(req_id, 0, block_ids, request.block_hashes, size, held=not finished)
+            block_ids = save.table
+            n = gate.frontier(
+                req_id, 0, block_ids, request.block_hashes, size, held=not save.finished
+            )
             end = min(save.target, n * size)
             if end < save.target:
                 end = end // chunk * chunk
@@ -309,24 +336,6 @@ class GuardedLMCacheConnectorV1(LMCacheConnectorV1):
                 meta.requests.append(issued)
             save.saved = end
             gate.count("lmcache_chunks_stored", chunks)
-            if finished and end >= save.target:
-                self._kvguard_finishing.append(req_id)
-                del self._kvguard_saves[req_id]
-                self._kvguard_requests.pop(req_id, None)
-
-    def _kvguard_block_ids(self, req_id: str) -> list[int]:
-        manager = self._kvguard_manager
-        return list(manager.get_block_ids(req_id)[0]) if manager is not None else []
-
-    def _kvguard_same_blocks(self, save: _Save, block_ids: Sequence[int]) -> bool:
-        """Whether the slots LMCache computed for the save are still the request's."""
-        slots = save.template.slot_mapping
-        size = self._kvguard_block
-        upto = min(len(slots), len(block_ids) * size)
-        if upto == 0:
-            return len(slots) == 0
-        first, last = int(slots[0]) // size, int(slots[upto - 1]) // size
-        return block_ids[0] == first and block_ids[(upto - 1) // size] == last
 
     def _kvguard_open(self, save: _Save, block_ids: Sequence[int], end: int) -> int | None:
         """Record every chunk of the save ``[skip, end)`` as a tier copy (a ticket per
@@ -348,6 +357,11 @@ class GuardedLMCacheConnectorV1(LMCacheConnectorV1):
             copies.append((chunk_hash, tickets))
         for chunk_hash, tickets in copies:
             gate.settle(chunk_hash, tickets)
+        recorded = gate.recorded()
+        if len(recorded) > self._kvguard_record_limit:
+            # LMCache evicts without telling the scheduler: the oldest records go.
+            excess = len(recorded) - self._kvguard_record_limit
+            gate.forget([copy for copy, _ in zip(recorded, range(excess), strict=False)])
         return len(copies)
 
     def _kvguard_chunks(self, tokens: Sequence[int]) -> Iterable[tuple[int, int, int]]:
@@ -369,7 +383,8 @@ class GuardedLMCacheConnectorV1(LMCacheConnectorV1):
                 req_id, 0, block_ids, request.block_hashes, self._kvguard_block, held=False
             )
             if n * self._kvguard_block > save.saved:
-                save.block_ids = list(block_ids)
+                save.finished = True
+                save.table = list(block_ids)
                 return True, params  # its last save goes out with the next step
         del self._kvguard_saves[req_id]
         self._kvguard_requests.pop(req_id, None)
@@ -506,6 +521,25 @@ class GuardedLMCacheConnectorV1(LMCacheConnectorV1):
 
     def kvguard_stats(self) -> dict[str, int]:
         return self.kvguard_gate.stats()
+
+
+def record_limit(config: Any, kv_cache_config: Any, block_size: int, chunk_size: int) -> int:
+    """How many of LMCache's chunks kvguard keeps a record of: twice what LMCache's local
+    CPU and disk backends hold (at least 4096). LMCache evicts without telling the
+    scheduler, so the record would otherwise grow for as long as the server runs; a
+    chunk whose record went is no longer purged by an invalidation and, with seals on,
+    no longer loaded (its hit is cut: recomputed)."""
+    floor = 4096
+    try:
+        group = kv_cache_config.kv_cache_groups[0]
+        chunk_bytes = group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+        chunk_bytes = chunk_bytes * chunk_size // block_size
+        local = float(config.max_local_cpu_size or 0) + float(config.max_local_disk_size or 0)
+    except (AttributeError, IndexError, TypeError):
+        return floor
+    if chunk_bytes <= 0:
+        return floor
+    return max(2 * int(local * 2**30 // chunk_bytes), floor)
 
 
 # ---------------------------------------------------------------------- worker helpers
