@@ -94,6 +94,7 @@ with warnings.catch_warnings():
     from kvguard.adapters.vllm.workers.seals import SEAL_FIELD
     from tests.vllm.harness import (
         BLOCK,
+        LMCacheLookupStub,
         connector_output,
         make_request,
         make_scheduler,
@@ -169,7 +170,7 @@ def simple_cpu_scheduler(guarded: bool, args: argparse.Namespace, num_blocks: in
     )
 
 
-class LMCacheChunks:
+class LMCacheChunks(LMCacheLookupStub):
     """LMCache's store as its lookups see it: the chunk hashes (LMCache's own, from its
     scheduler side's token database) the workers were asked to save; LMCache's lookup
     client, answered from them."""
@@ -194,15 +195,6 @@ class LMCacheChunks:
                 break
             hit = stop
         return hit
-
-    def lookup_cache(self, lookup_id: str) -> int:
-        return -1
-
-    def clear_lookup_status(self, lookup_id: str) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def lmcache_scheduler(guarded: bool, args: argparse.Namespace, num_blocks: int) -> Any:

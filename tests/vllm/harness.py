@@ -542,3 +542,21 @@ def records_of(
         logging.disable(disabled)
         for logger in loggers:
             logger.removeHandler(caplog.handler)
+
+
+class LMCacheLookupStub:
+    """LMCache's scheduler-side lookup client without its lookup server (no LMCache
+    worker answers here): a subclass answers :meth:`lookup` from what its played
+    workers saved."""
+
+    def lookup(self, token_ids: Any, lookup_id: str, request_configs: Any = None) -> int:
+        raise NotImplementedError
+
+    def lookup_cache(self, lookup_id: str) -> int:
+        return -1  # (no cached answer: LMCache looks up)
+
+    def clear_lookup_status(self, lookup_id: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -57,7 +57,14 @@ from kvguard.adapters.vllm.exits.lmcache import TIER, GuardedLMCacheConnectorV1 
 from kvguard.adapters.vllm.workers import seals as worker_seals  # noqa: E402
 from kvguard.adapters.vllm.workers.audit import with_seals  # noqa: E402
 
-from .harness import BLOCK, finish_reasons, make_request, make_scheduler, model_output  # noqa: E402
+from .harness import (  # noqa: E402
+    BLOCK,
+    LMCacheLookupStub,
+    finish_reasons,
+    make_request,
+    make_scheduler,
+    model_output,
+)
 from .plugin_patches import undo_plugin_patches_after  # noqa: E402
 from .test_sealed_offloading import CORRUPTIONS, caches, runner, true_kv  # noqa: E402
 
@@ -162,7 +169,7 @@ class PlayedStore:
         return []
 
 
-class PlayedLookup:
+class PlayedLookup(LMCacheLookupStub):
     """LMCache's scheduler-side lookup client, answered from the played store."""
 
     def __init__(self, store: PlayedStore, token_database: Any) -> None:
@@ -171,15 +178,6 @@ class PlayedLookup:
 
     def lookup(self, token_ids: Any, lookup_id: str, request_configs: Any = None) -> int:
         return self.store.lookup(token_ids)
-
-    def lookup_cache(self, lookup_id: str) -> int:
-        return -1
-
-    def clear_lookup_status(self, lookup_id: str) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 class Engine:

@@ -474,6 +474,15 @@ class ExitGate:
             return {}
         return {c: held for c, held in self._copies.items() if not wanted.isdisjoint(held)}
 
+    @staticmethod
+    def purged_keys(
+        held: Iterable[tuple[BlockHash, ...]], hashes: Iterable[BlockHash]
+    ) -> list[BlockHash]:
+        """The keys of ``hashes`` that the dropped copies ``held`` (their keys, from
+        :meth:`copies_holding`) held, each once: what a tier's purger returns."""
+        wanted = set(hashes)
+        return list(dict.fromkeys(h for keys in held for h in keys if h in wanted))
+
     def forget(self, copies: Iterable[Any]) -> int:
         """The tier no longer holds these copies (evicted, dropped, purged): forget
         them, and withdraw kvguard's record of every key no other recorded copy holds.

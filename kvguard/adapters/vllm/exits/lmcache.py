@@ -463,11 +463,10 @@ class GuardedLMCacheConnectorV1(LMCacheConnectorV1):
         holding = gate.copies_holding(hashes)
         if not holding:
             return []
-        wanted = set(hashes)
         gate.forget(holding)
         self._kvguard_purge.extend(holding)
         gate.count("lmcache_chunks_purged", len(holding))
-        return list(dict.fromkeys(h for held in holding.values() for h in held if h in wanted))
+        return gate.purged_keys(holding.values(), hashes)
 
     # ------------------------------------------------------------------ worker side
 

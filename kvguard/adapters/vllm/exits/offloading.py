@@ -575,11 +575,10 @@ class GuardedOffloadingConnectorScheduler(OffloadingConnectorScheduler):
         holding = gate.copies_holding(hashes)
         if not holding:
             return []
-        wanted = set(hashes)
         dropped = self._kvguard_drop(holding)
         # (The core dropped its record of ``hashes`` itself, when it invalidated them.)
         gate.count("offload_chunks_purged", len(dropped))
-        return list(dict.fromkeys(h for key in dropped for h in holding[key] if h in wanted))
+        return gate.purged_keys((holding[key] for key in dropped), hashes)
 
     def _kvguard_drop(self, keys: Collection[Any]) -> list[Any]:
         """Drop the chunks of ``keys`` from vLLM's CPU manager and the gate's record;

@@ -426,13 +426,12 @@ class GuardedSimpleCPUOffloadScheduler(SimpleCPUOffloadScheduler):
         holding = gate.copies_holding(hashes)
         if not holding:
             return []
-        wanted = set(hashes)
         # (The core dropped its record of ``hashes`` itself, when it invalidated them;
         # forgotten before the eviction, which the observer would count as one.)
         gate.forget(holding)
         self.cpu_block_pool.evict_blocks(set(holding))
         gate.count("offload_chunks_purged", len(holding))
-        return list(dict.fromkeys(h for held in holding.values() for h in held if h in wanted))
+        return gate.purged_keys(holding.values(), hashes)
 
     def kvguard_in_flight(self) -> dict[int, tuple[int, ...]]:
         """Store event -> the GPU blocks of the events whose acknowledgement is due."""
