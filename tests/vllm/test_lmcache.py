@@ -218,6 +218,7 @@ class Engine:
         self.finished: dict[str, str] = {}
         self.refused: list[set[int]] = []
         self.metas: list[Any] = []
+        self.preempted = 0
         self.inject: dict[str, int] = {}
         """NaN counts for the next step of these requests (their logits turn out NaN)."""
 
@@ -228,6 +229,7 @@ class Engine:
         so = s.schedule()
         meta = so.kv_connector_metadata
         self.metas.append(meta)
+        self.preempted += len(so.preempted_req_ids or ())
         w.bind_connector_metadata(meta)
         w.start_load_kv(SimpleNamespace(attn_metadata=object()))
         before = set(self.wrong)
@@ -273,10 +275,10 @@ class Engine:
 
         return OffloadingEngine.forward(self, so)  # type: ignore[arg-type]
 
-    def run(self, *requests: Any) -> None:
+    def run(self, *requests: Any, steps: int = 100) -> None:
         for request in requests:
             self.s.add_request(request)
-        for _ in range(100):
+        for _ in range(steps):
             if not self.s.requests:
                 return
             self.step()
@@ -385,6 +387,51 @@ def test_a_prompt_saved_is_loaded_again_as_stock_loads_it(
             assert LOAD_SEALS in vars(e.metas[0])
             stats = e.s.kvguard_stats()
             assert stats["lmcache_loads_refused"] == 0 and stats["lmcache_hits_cut"] == 0
+
+
+@needs_driving
+def test_preempted_requests_save_only_their_own_validated_kv(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """More requests than the 64-block pool holds: vLLM preempts and resumes them (new
+    blocks; LMCache starts their saves again from what it holds). Every chunk LMCache
+    holds is its prompt's own KV, no request computes on KV not its own, and the pool
+    and the gate end consistent, no block held."""
+    prompts = [list(range(1000 * k, 1000 * k + 7 * BLOCK + 5)) for k in range(1, 6)]
+    e = Engine(True, monkeypatch, seal=False)
+    e.run(*(make_request(f"r{k}", p, max_tokens=100) for k, p in enumerate(prompts)), steps=600)
+    assert e.preempted > 0
+    assert not e.wrong
+    assert set(e.finished.values()) == {"length"}
+    for p in prompts:
+        assert all(e.holds_true_kv(p)) and e.holds_true_kv(p)
+    e.s.kvguard_pool.check_consistency()
+    assert e.s.kv_cache_manager.block_pool.get_num_free_blocks() == 63
+    assert not e.s.connector._kvguard_saves and not e.s.connector._kvguard_requests
+
+
+@needs_driving
+def test_a_finished_request_kept_for_its_save_is_released_even_if_it_cannot_go(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One output token: "b" finishes in the step that prefills it, which validates its
+    chunks as it finishes, unsaved: vLLM keeps its blocks for the save. Its first
+    block's hash (and those chained after it) is invalidated before the next step: the
+    save does not go out, and the workers still report the request done, so vLLM frees
+    its blocks."""
+    prompt = OTHER[: 2 * CHUNK]
+    e = Engine(True, monkeypatch)
+    e.s.add_request(make_request("b", prompt, max_tokens=1))
+    e.step()
+    connector = e.s.connector
+    assert e.finished == {"b": "length"} and "b" in e.s.requests
+    assert connector._kvguard_saves["b"].finished  # kept for its last save
+    e.s.kvguard_invalidate([make_request("probe", prompt).block_hashes[0]])
+    e.step()
+    assert "b" not in e.s.requests and not connector._kvguard_saves
+    assert not [h for h in e.hashes(prompt) if h in e.store.chunks]
+    assert e.s.kv_cache_manager.block_pool.get_num_free_blocks() == 63
+    e.s.kvguard_pool.check_consistency()
 
 
 # ---------------------------------------------------------------- the corruption campaign
