@@ -192,6 +192,7 @@ class Engine:
         *,
         seal: bool = True,
         policy: str = "recompute",
+        async_scheduling: bool = False,
     ) -> None:
         self.runner = runner()
         monkeypatch.setattr(worker_seals, "_process_runner", [self.runner])
@@ -200,7 +201,10 @@ class Engine:
         )
         kvguard = {"seal": seal, "check_invariants": True} if guarded else None
         self.s = make_scheduler(
-            guarded=guarded, kvguard=kvguard, kv_transfer_config=config(guarded, policy)
+            guarded=guarded,
+            kvguard=kvguard,
+            kv_transfer_config=config(guarded, policy),
+            async_scheduling=async_scheduling,
         )
         impl = self.s.connector._lmcache_engine
         db = impl.lookup_client.token_database
@@ -432,6 +436,61 @@ def test_a_finished_request_kept_for_its_save_is_released_even_if_it_cannot_go(
     assert not [h for h in e.hashes(prompt) if h in e.store.chunks]
     assert e.s.kv_cache_manager.block_pool.get_num_free_blocks() == 63
     e.s.kvguard_pool.check_consistency()
+
+
+@needs_driving
+def test_under_async_scheduling_saves_wait_for_validation_as_well(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's async scheduler (seals off: they need sync scheduling): step N+1 is
+    scheduled before step N's output, so a block validates a step later still. The
+    "workers" run each step as it is scheduled (no model: the NaN counts are the
+    test's). A failed first step reaches LMCache under stock, not guarded; clean
+    requests end with the same chunks saved on both sides, and no block held."""
+    saved = {}
+    for guarded in (False, True):
+        e = Engine(guarded, monkeypatch, seal=False, async_scheduling=True)
+        s, w = e.s, e.worker
+        for request in (
+            make_request("bad", PROMPT, max_tokens=4),
+            make_request("a", OTHER, max_tokens=4),
+            make_request("b", list(range(3000, 3000 + 2 * CHUNK)), max_tokens=1),
+        ):
+            s.add_request(request)
+        in_flight: list[tuple[Any, Any]] = []
+        for step in range(60):
+            if not s.requests and not in_flight:
+                break
+            so = s.schedule()
+            w.bind_connector_metadata(so.kv_connector_metadata)
+            w.start_load_kv(SimpleNamespace(attn_metadata=object()))
+            w.wait_for_save()
+            sending, _ = w.get_finished(set(so.finished_req_ids))
+            w.clear_connector_metadata()
+            nans = {"bad": 1} if step == 0 else {}
+            out = model_output(
+                s, so, {r: n for r, n in nans.items() if r in so.num_scheduled_tokens}
+            )
+            out.kv_connector_output = KVConnectorOutput(finished_sending=sending or None)
+            in_flight.append((so, out))
+            # (One step in flight while the next is scheduled; none once idle.)
+            while len(in_flight) > (1 if so.total_num_scheduled_tokens else 0):
+                e.finished.update(finish_reasons(s.update_from_output(*in_flight.pop(0))))
+        else:
+            raise AssertionError("the requests did not finish")
+        bad_saved = [h in e.store.chunks for h in e.hashes(PROMPT)]
+        assert bad_saved == ([False, False] if guarded else [True, True])
+        saved[guarded] = {
+            h
+            for p in (OTHER, list(range(3000, 3000 + 2 * CHUNK)))
+            for h in e.hashes(p)
+            if h in e.store.chunks
+        }
+        assert s.kv_cache_manager.block_pool.get_num_free_blocks() == 63
+        if guarded:
+            assert e.finished["bad"] == "error"
+            s.kvguard_pool.check_consistency()
+    assert saved[True] == saved[False] and len(saved[True]) == 4
 
 
 # ---------------------------------------------------------------- the corruption campaign
