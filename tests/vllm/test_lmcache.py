@@ -415,6 +415,17 @@ def test_preempted_requests_save_only_their_own_validated_kv(
 
 
 @needs_driving
+def test_the_gate_forgets_requests_gone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gate's per-request frontiers of finished requests are dropped (amortized):
+    a server that runs for weeks keeps a few, not one per request it served."""
+    e = Engine(True, monkeypatch, seal=False)
+    prompts = [list(range(100 * k, 100 * k + 2 * CHUNK)) for k in range(10, 50)]
+    e.run(*(make_request(f"r{k}", p, max_tokens=2) for k, p in enumerate(prompts)), steps=300)
+    assert len(e.finished) == 40 and not e.wrong
+    assert e.s.connector.kvguard_gate.num_frontiers() <= 16
+
+
+@needs_driving
 def test_a_finished_request_kept_for_its_save_is_released_even_if_it_cannot_go(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -252,6 +252,9 @@ class GuardedLMCacheConnectorV1(LMCacheConnectorV1):
                 self._kvguard_saves.pop(req_id, None)
                 self._kvguard_requests.pop(req_id, None)
         self._kvguard_loads.clear()
+        gate = self.kvguard_gate
+        if gate.num_frontiers() > 2 * len(self._kvguard_saves) + 16:
+            gate.forget_requests(self._kvguard_saves)  # (amortized: requests gone since)
         requests = list(getattr(meta, "requests", ()))
         self._kvguard_hold_back(requests)
         self._kvguard_issue(meta, {m.req_id: m for m in requests})
