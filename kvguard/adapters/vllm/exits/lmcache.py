@@ -18,7 +18,8 @@ the exit gate (:mod:`.gate`):
 * **Tickets and the tier record.** Each chunk issued opens a ticket per block and is
   recorded at once as a tier copy (under LMCache's chunk hash), with the seals of its
   blocks: the workers save it in the forward of the very step that carries it, before
-  any later step can purge it.
+  any later step can purge it. LMCache evicts without telling the scheduler, so the
+  record keeps the newest chunks only (:func:`record_limit`).
 * **Purges.** An invalidated hash's chunks are removed from LMCache by the workers at
   the next step (``kvguard_purge`` on the metadata, before any load of that step).
 * **Loads verified by their seals** (seals on). Only the leading chunks kvguard
@@ -32,8 +33,9 @@ the exit gate (:mod:`.gate`):
   the chunks after it leave LMCache, counted (``lmcache_loads_refused``) and logged.
 
 Refused at start-up under the guard: LMCache's layerwise mode, CacheBlend, asynchronous
-loading (loads that complete outside ``start_load_kv``) and its own prefill/decode
-transfer (``enable_pd``: a save there is a transfer to another instance).
+loading (loads that complete outside ``start_load_kv``), its own prefill/decode
+transfer (``enable_pd``: a save there is a transfer to another instance) and the
+producer role (its workers then save whatever a step carries).
 
 LMCache 0.5.6 drives vLLM up to 0.33 (its adapter reads ``resumed_req_ids``, which vLLM
 0.34 dropped). Its worker side needs a CUDA (or XPU, MUSA, HPU) device: LMCache ships no
