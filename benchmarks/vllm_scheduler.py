@@ -96,6 +96,7 @@ with warnings.catch_warnings():
         BLOCK,
         LMCacheLookupStub,
         connector_output,
+        lmcache_hit,
         make_request,
         make_scheduler,
         make_vllm_config,
@@ -189,12 +190,7 @@ class LMCacheChunks(LMCacheLookupStub):
         return len(new)
 
     def lookup(self, token_ids: Any, lookup_id: str, request_configs: Any = None) -> int:
-        hit = 0
-        for _, stop, chunk_hash in self.db.process_tokens(list(token_ids), make_key=False):
-            if chunk_hash not in self.saved:
-                break
-            hit = stop
-        return hit
+        return lmcache_hit(self.db, token_ids, self.saved)
 
 
 def lmcache_scheduler(guarded: bool, args: argparse.Namespace, num_blocks: int) -> Any:

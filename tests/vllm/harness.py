@@ -10,7 +10,7 @@ import math
 import os
 import random
 import tempfile
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -542,6 +542,18 @@ def records_of(
         logging.disable(disabled)
         for logger in loggers:
             logger.removeHandler(caplog.handler)
+
+
+def lmcache_hit(token_database: Any, token_ids: Any, held: Container[int]) -> int:
+    """What LMCache's lookup answers for ``token_ids`` when its store holds the chunk
+    hashes ``held``: the tokens of the leading chunks it holds (LMCache's own hashes,
+    from its ``token_database``)."""
+    hit = 0
+    for _, stop, chunk_hash in token_database.process_tokens(list(token_ids), make_key=False):
+        if chunk_hash not in held:
+            break
+        hit = stop
+    return hit
 
 
 class LMCacheLookupStub:

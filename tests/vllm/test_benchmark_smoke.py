@@ -75,3 +75,30 @@ def test_scheduler_benchmark_runs_both_schedulers_on_one_trace(mode: list[str]) 
         assert blocks is not None and all(int(n) > 0 for n in blocks.groups()), out
         lazy = "lazy" if "simple-cpu-lazy" in mode else "eager"
         assert f"CPU offloading (SimpleCPUOffloadConnector, {lazy})" in out
+
+
+def test_scheduler_benchmark_with_lmcache() -> None:
+    """``--offload lmcache``: LMCache's scheduler side on both sides (vLLM 0.33 and
+    older: the series LMCache 0.5.6 drives); a pool small enough to evict and the
+    prompts revisited, so both sides save and load."""
+    pytest.importorskip("lmcache", reason="LMCache's real package (pip install lmcache)")
+    from dataclasses import fields
+
+    from vllm.v1.core.sched.output import CachedRequestData
+
+    if "resumed_req_ids" not in {f.name for f in fields(CachedRequestData)}:
+        pytest.skip("LMCache 0.5.6's adapter does not drive vLLM 0.34 (no resumed_req_ids)")
+    out = run_benchmark(
+        "vllm_scheduler.py",
+        *("--requests", "12", "--rounds", "2", "--offload", "lmcache"),
+        *("--blocks", "64", "--revisit", "1"),
+    )
+    assert "CPU offloading (LMCacheConnectorV1)" in out
+    counts = re.search(
+        r"LMCache, per round: stock (\d+) chunks saved / (\d+) tokens loaded "
+        r"\(\d+ saves / \d+ loads\), guarded (\d+) / (\d+) ",
+        out,
+    )
+    assert counts is not None and all(int(n) > 0 for n in counts.groups()), out
+    ratio = re.search(r"ratio guarded/stock = (\d+\.\d+)", out)
+    assert ratio is not None and is_figure(ratio.group(1))

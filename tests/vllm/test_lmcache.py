@@ -61,6 +61,7 @@ from .harness import (  # noqa: E402
     BLOCK,
     LMCacheLookupStub,
     finish_reasons,
+    lmcache_hit,
     make_request,
     make_scheduler,
     model_output,
@@ -147,12 +148,7 @@ class PlayedStore:
         return got
 
     def lookup(self, token_ids: Any, lookup_id: str = "", request_configs: Any = None) -> int:
-        hit = 0
-        for _, stop, chunk_hash in self.db.process_tokens(list(token_ids), make_key=False):
-            if chunk_hash not in self.chunks:
-                break
-            hit = stop
-        return hit
+        return lmcache_hit(self.db, token_ids, self.chunks)
 
     def remove(self, key: int, locations: Any = None) -> int:
         return int(self.chunks.pop(key, None) is not None)
